@@ -1,0 +1,1 @@
+"""Benchmarks behind `forge-stream bench`; each module exposes `run(...) -> dict`."""

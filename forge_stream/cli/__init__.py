@@ -1,0 +1,12 @@
+"""The `forge-stream` command line: one Typer app, one module per command group."""
+
+import typer
+
+from forge_stream.cli import bench
+
+app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
+app.add_typer(bench.app, name="bench")
+
+
+def main() -> None:
+    app()
