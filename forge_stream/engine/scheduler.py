@@ -116,7 +116,7 @@ def _pack(seqs: list[_Sequence]) -> _Batch:
             keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
             values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
         data.append((torch.cat(keys), torch.cat(values)))
-    mask = torch.ones(len(seqs), length, dtype=torch.long)
+    mask = torch.ones(len(seqs), length, dtype=torch.long, device=data[0][0].device)
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     return _Batch(seqs=seqs, cache=DynamicCache(ddp_cache_data=data), mask=mask, pads=pads)
@@ -137,8 +137,10 @@ class Scheduler:
     """Runs the generation loop in a worker thread; `submit` and `swap` are safe from any thread."""
 
     def __init__(self, loaded: LoadedModel, decode: Callable[[list[int], bool], str], eos_ids: set[int],
-                 max_batch_size: int, max_model_len: int, logprobs_mode: LogprobsMode = "raw"):
+                 max_batch_size: int, max_model_len: int, logprobs_mode: LogprobsMode = "raw",
+                 device: str = "cpu"):
         self.current = loaded
+        self._device = torch.device(device)
         self._decode = decode
         self._eos_ids = eos_ids
         self._max_batch_size = max_batch_size
@@ -210,10 +212,10 @@ class Scheduler:
         self.stats.requests += 1
         self.stats.prefills += 1
         request.sink(Admitted(loaded.version))
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self._device)
         out = loaded.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
         cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        logits = out.logits[0, -1].float()
+        logits = out.logits[0, -1].float().cpu()
         params = request.params
         for index in range(request.n):
             seq = _Sequence(
@@ -255,16 +257,17 @@ class Scheduler:
 
     def _decode_group(self, batch: _Batch) -> None:
         seqs = batch.seqs
-        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long)
-        positions = torch.tensor([[s.cache_len] for s in seqs], dtype=torch.long)
-        batch.mask = torch.cat([batch.mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=self._device)
+        positions = torch.tensor([[s.cache_len] for s in seqs], dtype=torch.long, device=self._device)
+        ones = torch.ones(len(seqs), 1, dtype=torch.long, device=self._device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
         out = seqs[0].loaded.model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
                                    past_key_values=batch.cache, use_cache=True)
         batch.cache = out.past_key_values
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(seqs)
         self.stats.max_batch = max(self.stats.max_batch, len(seqs))
-        logits = out.logits[:, -1].float()
+        logits = out.logits[:, -1].float().cpu()
         for row, seq in enumerate(seqs):
             seq.cache_len += 1
             self._accept(seq, logits[row])
