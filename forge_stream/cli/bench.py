@@ -10,3 +10,16 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON o
 def emit(result: dict, as_json: bool) -> None:
     """Print a benchmark result: compact JSON for scripts, indented for people."""
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
+@app.command("engine")
+def engine(
+    requests: int = typer.Option(16, help="Concurrent requests in the batched run."),
+    max_tokens: int = typer.Option(64, help="Tokens per request."),
+    model_dir: str = typer.Option(None, help="Model directory (default: a fresh tiny model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+) -> None:
+    """Local engine decode throughput: one request at a time vs all batched."""
+    from forge_stream.bench.engine import run
+
+    emit(run(requests=requests, max_tokens=max_tokens, model_dir=model_dir), as_json)
