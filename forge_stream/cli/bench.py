@@ -18,3 +18,16 @@ def codec(as_json: bool = typer.Option(False, "--json"), events: int = 200, seco
     from forge_stream.bench.codec import run
 
     emit(run(events=events, seconds=seconds), as_json)
+
+
+@app.command("engine")
+def engine(
+    requests: int = typer.Option(16, help="Concurrent requests in the batched run."),
+    max_tokens: int = typer.Option(64, help="Tokens per request."),
+    model_dir: str = typer.Option(None, help="Model directory (default: a fresh tiny model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+) -> None:
+    """Local engine decode throughput: one request at a time vs all batched."""
+    from forge_stream.bench.engine import run
+
+    emit(run(requests=requests, max_tokens=max_tokens, model_dir=model_dir), as_json)
