@@ -156,10 +156,6 @@ class WindowedFifo:
         """The oldest unfinished, unconsumed group: the one that bounds the window; None if there is none."""
         return self._order[self._frontier] if self._frontier < len(self._order) else None
 
-    def position(self, seq: int) -> int:
-        """Queue position of a not-yet-consumed group relative to the head (0 = head)."""
-        return bisect_left(self._order, seq) - self._head
-
     def pending(self) -> int:
         """Groups submitted and not yet consumed (finished or not)."""
         return len(self._order) - self._head

@@ -78,6 +78,10 @@ def test_window_hides_finished_groups_beyond_it_and_commits_only_consumed(kafka_
     assert steps[0]["group_ids"] == [group_id(run_id, 0), group_id(run_id, 3)]
     got, ends = committed(kafka_bootstrap, settings.name, TOPICS.samples)
     assert sum(ends.values()) - sum(got.values()) <= 2, "only the unconsumed samples (4, 5) stay uncommitted"
+    assert consumer.run(trainer, steps=1, wait_s=10)[0]["group_ids"] == [group_id(run_id, 4), group_id(run_id, 5)]
+    assert consumer.next_batch(trainer.policy_version, 0.5, partial=True) is None
+    produce(kafka_bootstrap, samples=[sample(run_id, 6)])
+    assert consumer.next_batch(trainer.policy_version, 5, partial=True).group_ids == [group_id(run_id, 6)]
     consumer.close()
 
 
