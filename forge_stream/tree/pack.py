@@ -111,6 +111,8 @@ def from_arrays(
     Raises ValueError unless each row's parent lies on the path to the row before it (DFS pre-order).
     """
     parent = [int(p) for p in parent_row]
+    if len(parent) != len(token_ids):
+        raise ValueError("token_ids and parent_row differ in length")
     depth = [0] * len(parent)
     open_path: list[int] = []  # the path from a root to the previous row
     for row, p in enumerate(parent):
