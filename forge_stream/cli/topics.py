@@ -1,0 +1,35 @@
+"""`forge-stream topics ...`: the topic catalog, and creating it on a cluster."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.kafka.admin import create_topics
+from forge_stream.topics import TOPICS
+
+app = typer.Typer(no_args_is_help=True, help="The topic catalog.")
+
+
+@app.command("create")
+def create(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
+    """Create every catalog topic that is missing (idempotent)."""
+    result = create_topics(settings(bootstrap_servers).bootstrap)
+    typer.echo(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+
+
+@app.command("list")
+def list_topics(as_json: bool = JsonOption) -> None:
+    """The catalog: name, key, value schemas, partitions, retention, producers, consumers."""
+    rows = [{"name": t.name, "key": t.key, "value_schemas": list(t.value_schemas), "partitions": t.partitions,
+             "retention_ms": t.retention_ms, "cleanup_policy": t.cleanup_policy,
+             "producers": list(t.producers), "consumers": list(t.consumers), "doc": t.doc} for t in TOPICS.all()]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(f"{r['name']:<20} key={r['key']:<12} {'/'.join(r['value_schemas']):<32} "
+                   f"p={r['partitions']} {r['doc']}")

@@ -1,0 +1,64 @@
+"""`forge-stream up [TOPOLOGY]`, `down` and `status`: deploy, stop and inspect a topology."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from forge_stream import deploy
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.kafka.admin import describe
+from forge_stream.services import Supervisor
+
+console = Console(stderr=True)
+
+
+def up(topology: str = typer.Argument("local", help="A name under topologies/ or a YAML path."),
+       bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
+    """Start the broker (embedded unless --bootstrap-servers), create topics, start the topology's services."""
+    cfg = settings(bootstrap_servers)
+    result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"))
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    console.print(f"[bold green]forge-stream is up[/bold green]: Kafka at {result['bootstrap_servers']}")
+    for name, svc in result["services"].items():
+        console.print(f"  {name:<12} {svc['url'] or '(no port)'}  pid {svc['pid']}  log {svc['log']}")
+    console.print("Stop with `forge-stream down`; inspect with `forge-stream status`.")
+
+
+def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
+    """Stop the services and the embedded broker (data is kept for the next `up`)."""
+    result = deploy.down(settings(bootstrap_servers))
+    typer.echo(json.dumps(result) if as_json else
+               f"stopped services: {', '.join(result['stopped_services']) or 'none'}; "
+               f"embedded broker {'stopped' if result['stopped_broker'] else 'was not running'}")
+
+
+def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
+    """Broker reachability, topics with partitions and end offsets, consumer-group lag, services."""
+    cfg = settings(bootstrap_servers)
+    result = describe(cfg.bootstrap)
+    result["services"] = Supervisor(cfg.run_dir).status()
+    if as_json:
+        typer.echo(json.dumps(result))
+        raise typer.Exit(0 if result["reachable"] else 1)
+    if not result["reachable"]:
+        console.print(f"[red]Kafka at {cfg.bootstrap} is not reachable[/red]: {result['error']}\n"
+                      "Start it with `forge-stream up`.")
+        raise typer.Exit(1)
+    topics = Table("topic", "partitions", "messages", title=f"Kafka at {cfg.bootstrap}")
+    for name, t in result["topics"].items():
+        topics.add_row(name, str(t["partitions"]), str(t["messages"]))
+    groups = Table("consumer group", "lag")
+    for name, g in result["consumer_groups"].items():
+        groups.add_row(name, str(g["lag"]))
+    services = Table("service", "running", "healthy", "url", "pid")
+    for name, s in result["services"].items():
+        services.add_row(name, str(s["running"]), str(s["healthy"]), s["url"] or "", str(s["pid"]))
+    out = Console()
+    out.print(topics, groups, services)

@@ -1,0 +1,88 @@
+"""Deployments: what `forge-stream up` starts for a topology (`topologies/<name>.yaml`) and in which order.
+
+A topology names the broker (embedded or external) and the services to run. Each service name maps to a
+builder here that turns the settings into a `ServiceSpec` (a real process). `up` is idempotent: what already runs
+is left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from forge_stream.kafka.admin import create_topics
+from forge_stream.kafka.broker import BrokerConfig, LocalBroker
+from forge_stream.services import ServiceSpec, Supervisor
+from forge_stream.settings import ForgeSettings
+
+TOPOLOGY_DIR = Path(__file__).resolve().parents[1] / "topologies"
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    services: list[str]
+    options: dict[str, dict] = field(default_factory=dict)
+
+
+def load_topology(name_or_path: str) -> Topology:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = TOPOLOGY_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml")))
+        raise FileNotFoundError(f"no topology {name_or_path!r}; known: {known}")
+    raw = yaml.safe_load(path.read_text())
+    services, options = [], {}
+    for item in raw.get("services", []):
+        name, opts = (item, {}) if isinstance(item, str) else next(iter(item.items()))
+        if name not in BUILDERS:
+            raise ValueError(f"{path}: unknown service {name!r}; known: {', '.join(sorted(BUILDERS))}")
+        services.append(name)
+        options[name] = opts or {}
+    return Topology(raw.get("name", path.stem), services, options)
+
+
+def registry_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    port = opts.get("port", settings.registry_port)
+    return ServiceSpec.python(
+        "registry", "uvicorn", "forge_stream.schema_registry:create_app", "--factory",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        health_url=f"http://127.0.0.1:{port}/subjects", url=f"http://127.0.0.1:{port}",
+    )
+
+
+BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
+    "registry": registry_service,
+}
+
+
+def local_broker(settings: ForgeSettings) -> LocalBroker:
+    return LocalBroker(BrokerConfig(settings.broker_dir, settings.cache_dir, settings.kafka_port,
+                                    settings.kafka_controller_port, settings.kafka_heap, rebalance_delay_ms=0))
+
+
+def up(settings: ForgeSettings, topology: Topology, echo=print) -> dict:
+    """Start the broker (if embedded), create topics, start services; returns where everything is."""
+    if settings.embedded:
+        echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
+        local_broker(settings).start(echo)
+    echo(f"Kafka at {settings.bootstrap}; creating topics...")
+    topics = create_topics(settings.bootstrap)
+    supervisor = Supervisor(settings.run_dir)
+    started = {}
+    for name in topology.services:
+        echo(f"Starting {name}...")
+        started[name] = supervisor.start(BUILDERS[name](settings, topology.options[name]))
+    return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
+            "topics": topics, "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]}
+                                           for n, e in started.items()}}
+
+
+def down(settings: ForgeSettings) -> dict:
+    stopped = Supervisor(settings.run_dir).stop_all()
+    broker = settings.embedded and local_broker(settings).stop()
+    return {"stopped_services": stopped, "stopped_broker": bool(broker)}

@@ -1,0 +1,204 @@
+"""A local single-node Apache Kafka (KRaft) run from jars that Maven fetches: fetch, format, start, wait, stop.
+
+Used by `forge-stream up` when no external cluster is configured, and by the test suite's broker fixture.
+The jars are fetched once into a cache shared by every data directory; each broker has its own data directory,
+ports, log file and pid file, so several can run side by side.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INFRA_DIR = REPO_ROOT / "infra" / "kafka"
+KAFKA_VERSION = "4.1.1"
+JARS_REVISION = 2  # bump when infra/kafka/pom.xml changes, so caches refetch
+
+
+class BrokerError(RuntimeError):
+    """The local broker could not be fetched, formatted or started; the message says what to do."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def jar_dir(cache_dir: Path) -> Path:
+    return cache_dir / f"kafka-{KAFKA_VERSION}-r{JARS_REVISION}" / "libs"
+
+
+def fetch_jars(cache_dir: Path, echo=print) -> Path:
+    """Fetch the broker jars with Maven into the cache (once); returns the folder of jars."""
+    libs = jar_dir(cache_dir)
+    if (libs / ".complete").exists():
+        return libs
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise BrokerError("Maven (mvn) is not on PATH: install it (apt-get install maven) or pass --bootstrap-servers")
+    libs.mkdir(parents=True, exist_ok=True)
+    echo(f"Fetching Apache Kafka {KAFKA_VERSION} jars with Maven into {libs} (once; later runs use the cache)...")
+    cmd = [mvn, "-B", "-ntp", "-f", str(INFRA_DIR / "pom.xml"), "dependency:copy-dependencies",
+           f"-DoutputDirectory={libs}", "-DincludeScope=runtime"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-40:]
+        if "Copying" in line or "Downloaded" in line or "BUILD" in line:
+            echo("  " + line.strip()[:120])
+    if proc.wait() != 0:
+        raise BrokerError("Maven could not fetch the Kafka jars:\n" + "\n".join(tail))
+    (libs / ".complete").write_text(KAFKA_VERSION)
+    return libs
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    data_dir: Path
+    cache_dir: Path
+    port: int = 9092
+    controller_port: int = 9093
+    heap: str = "512m"
+    offsets_partitions: int = 4
+    rebalance_delay_ms: int = 0
+    auto_create_topics: bool = True
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class LocalBroker:
+    """One local broker process, identified by its data directory."""
+
+    def __init__(self, config: BrokerConfig):
+        self.config = config
+        self.dir = config.data_dir
+        self.pid_file = self.dir / "broker.pid"
+        self.log_file = self.dir / "broker.log"
+        self.properties = self.dir / "server.properties"
+
+    def _render(self) -> None:
+        template = Template((INFRA_DIR / "server.properties.template").read_text())
+        c = self.config
+        self.properties.write_text(template.substitute(
+            port=c.port, controller_port=c.controller_port, data_dir=self.dir / "data",
+            offsets_partitions=c.offsets_partitions, rebalance_delay_ms=c.rebalance_delay_ms,
+            auto_create=str(c.auto_create_topics).lower(),
+        ))
+
+    def _java(self, libs: Path, main: str, *args: str) -> list[str]:
+        java = shutil.which("java") or str(Path(os.environ.get("JAVA_HOME", "/usr")) / "bin" / "java")
+        log4j = INFRA_DIR / "log4j2.yaml"
+        return [java, f"-Xmx{self.config.heap}", f"-Xms{self.config.heap}", "-XX:+UseG1GC",
+                "-XX:TieredStopAtLevel=1", "-Xshare:auto", f"-Dlog4j2.configurationFile={log4j}",
+                "-Dkafka.logs.dir=" + str(self.dir / "logs"), "-cp", f"{libs}/*", main, *args]
+
+    def format(self, libs: Path) -> None:
+        """Format the KRaft storage on first run; later runs keep the data."""
+        if (self.dir / "data" / "meta.properties").exists():
+            return
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        out = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", "-t", cid,
+                                        "-c", str(self.properties), "--standalone"),
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise BrokerError(f"formatting KRaft storage in {self.dir} failed:\n{out.stdout}\n{out.stderr}")
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def start(self, echo=print, timeout: float = 90.0) -> str:
+        """Start the broker in the background (fetching and formatting as needed); returns bootstrap servers."""
+        if self.pid() is not None:
+            self.wait_ready(timeout)
+            return self.config.bootstrap
+        libs = fetch_jars(self.config.cache_dir, echo)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._render()
+        self.format(libs)
+        log = open(self.log_file, "ab")
+        proc = subprocess.Popen(self._java(libs, "kafka.Kafka", str(self.properties)), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid_file.write_text(str(proc.pid))
+        self.wait_ready(timeout, proc)
+        return self.config.bootstrap
+
+    def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        deadline = time.monotonic() + timeout
+        admin = AdminClient({"bootstrap.servers": self.config.bootstrap, "log_level": 0})
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise BrokerError(f"the broker exited with {proc.returncode}; see {self.log_file}:\n"
+                                  + _tail(self.log_file))
+            try:
+                metadata = admin.list_topics(timeout=2)
+                if metadata.brokers:
+                    return
+            except Exception:  # not up yet
+                pass
+            time.sleep(0.3)
+        raise BrokerError(f"the broker at {self.config.bootstrap} did not answer within {timeout:.0f}s; "
+                          f"see {self.log_file}:\n" + _tail(self.log_file))
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop cleanly (SIGTERM, then SIGKILL after `timeout`); returns whether one was running."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            _reap(pid)
+            time.sleep(0.2)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        _reap(pid)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m forge_stream.kafka.broker DATA_DIR
+    b = LocalBroker(BrokerConfig(Path(sys.argv[1]), Path.home() / ".cache" / "forge-stream"))
+    print(b.start())

@@ -1,0 +1,100 @@
+"""A consumer that decodes catalog events and routes what it cannot decode to `forge.dlq`, then goes on.
+
+Errors are data: a record with a bad frame, an unknown schema id, a corrupt body or a schema the topic does not
+carry becomes a DeadLetter (original bytes, topic, partition, offset, error, who rejected it). The dead letter is
+acknowledged by Kafka before the consumer moves past it, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.topics import TOPICS, Topic
+
+
+@dataclass(frozen=True)
+class Event:
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    schema: str
+    record: dict
+    timestamp_ms: int
+
+
+def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                error: str, rejected_by: str) -> dict:
+    """A DeadLetter record; its id is derived from where the bad record sits, so re-rejecting it is idempotent."""
+    return {
+        "event_id": deterministic_id("dlq", topic, partition, offset, rejected_by),
+        "event_time": now_ms(), "topic": topic, "partition": partition, "offset": offset,
+        "key": key, "value": value, "error": error, "rejected_by": rejected_by,
+    }
+
+
+def consumer_config(bootstrap: str, group_id: str, **overrides) -> dict:
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "session.timeout.ms": 10000,
+        **overrides,
+    }
+
+
+class DecodingConsumer:
+    """Poll decoded events from catalog topics; commits are explicit (`commit(event)`)."""
+
+    def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
+                 producer: EventProducer | None = None, **config):
+        self.name = name
+        self._topics = {t.name: t for t in topics}
+        self._consumer = Consumer(consumer_config(bootstrap, group_id, **config))
+        self._consumer.subscribe(list(self._topics))
+        self._owns_producer = producer is None
+        self._producer = producer or EventProducer(bootstrap)
+        self.dead_letters = 0
+
+    def poll(self, timeout: float = 1.0) -> Event | None:
+        """The next decodable event, or None when nothing arrived within `timeout`."""
+        msg = self._consumer.poll(timeout)
+        if msg is None:
+            return None
+        if msg.error():
+            if msg.error().code() == KafkaError._PARTITION_EOF:
+                return None
+            raise RuntimeError(f"consumer {self.name}: {msg.error()}")
+        try:
+            schema, record = decode(msg.value() or b"")
+            allowed = self._topics[msg.topic()].value_schemas
+            if schema not in allowed:
+                raise DecodeError(f"{msg.topic()} carries {', '.join(allowed)}, not {schema}")
+        except DecodeError as exc:
+            self._reject(msg, str(exc))
+            return None
+        key = msg.key().decode(errors="replace") if msg.key() is not None else None
+        return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+
+    def _reject(self, msg, error: str) -> None:
+        record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)
+        self._producer.send_sync(TOPICS.dlq, msg.topic(), record)
+        self.dead_letters += 1
+        self._consumer.commit(offsets=[TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)],
+                              asynchronous=False)
+
+    def commit(self, event: Event) -> None:
+        """Commit everything on `event`'s partition up to and including it."""
+        self._consumer.commit(offsets=[TopicPartition(event.topic, event.partition, event.offset + 1)],
+                              asynchronous=False)
+
+    def close(self) -> None:
+        self._consumer.close()
+        if self._owns_producer:
+            self._producer.close()

@@ -1,0 +1,108 @@
+"""The event producer: Avro-encodes catalog events and sends them with acks=all and idempotence.
+
+`send` returns an asyncio future that resolves only once Kafka acknowledged the record, so a server can answer
+its caller after the event is durable and never before. `send_sync` is the same for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from forge_stream.events import encode
+from forge_stream.topics import Topic
+
+
+class DeliveryError(RuntimeError):
+    """Kafka did not acknowledge a record (broker down, timeout, fenced...)."""
+
+
+def producer_config(bootstrap: str, **overrides) -> dict:
+    return {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 2,
+        "compression.type": "lz4",
+        "message.timeout.ms": 15000,
+        **overrides,
+    }
+
+
+class EventProducer:
+    """One idempotent producer per process; a background thread serves delivery callbacks."""
+
+    def __init__(self, bootstrap: str, **config):
+        self._producer = Producer(producer_config(bootstrap, **config))
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="forge-producer-poll", daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.05)
+
+    def produce(self, topic: Topic, key: str, record: dict, schema: str | None = None, on_delivery=None) -> None:
+        """Encode and enqueue; `on_delivery(err, msg)` runs on the poll thread."""
+        schema = schema or topic.value_schemas[0]
+        if schema not in topic.value_schemas:
+            raise ValueError(f"{topic.name} carries {topic.value_schemas}, not {schema}")
+        self._producer.produce(topic.name, value=encode(schema, record), key=key.encode(),
+                               on_delivery=on_delivery)
+
+    def produce_raw(self, topic: str, key: bytes | None, value: bytes, on_delivery=None) -> None:
+        self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+
+    def send(self, topic: Topic, key: str, record: dict, schema: str | None = None) -> asyncio.Future:
+        """Enqueue and return a future (of the running loop) resolved with the offset once acked."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(err, msg):
+            loop.call_soon_threadsafe(_settle, future, err, msg)
+
+        self.produce(topic, key, record, schema, on_delivery=done)
+        return future
+
+    def send_sync(self, topic: Topic, key: str, record: dict, schema: str | None = None,
+                  timeout: float = 30.0) -> int:
+        """Send one record and block until Kafka acknowledged it; returns its offset."""
+        result: dict = {}
+        acked = threading.Event()
+
+        def done(err, msg):
+            result["err"], result["msg"] = err, msg
+            acked.set()
+
+        self.produce(topic, key, record, schema, on_delivery=done)
+        if not acked.wait(timeout):
+            raise DeliveryError(f"no acknowledgement from Kafka for {topic.name} within {timeout:.0f}s")
+        if result["err"] is not None:
+            raise DeliveryError(f"Kafka rejected a record for {topic.name}: {result['err']}")
+        return result["msg"].offset()
+
+    def flush(self, timeout: float = 30.0) -> None:
+        remaining = self._producer.flush(timeout)
+        if remaining:
+            raise DeliveryError(f"{remaining} records were still unacknowledged after {timeout:.0f}s")
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._stop.set()
+            self._poller.join()
+
+
+def _settle(future: asyncio.Future, err: KafkaError | None, msg) -> None:
+    if future.done():
+        return
+    if err is not None:
+        future.set_exception(DeliveryError(f"Kafka rejected the record: {err}"))
+    else:
+        future.set_result(msg.offset())
+
+
+__all__ = ["DeliveryError", "EventProducer", "KafkaException", "producer_config"]

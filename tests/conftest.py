@@ -1,0 +1,39 @@
+"""Shared fixtures. The one Kafka broker of a test session is a real Apache Kafka 4.x (KRaft, single node).
+
+If FORGE_TEST_BOOTSTRAP_SERVERS is set (CI starts a broker with `forge-stream up` and sets it), the tests use
+that cluster; otherwise the session fixture starts its own broker from the Maven-fetched jars on random free
+ports with its own data directory, so a bare `pytest` works too.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from forge_stream.kafka.admin import create_topics
+from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
+from forge_stream.settings import ForgeSettings
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory) -> str:
+    """Bootstrap servers of a running broker with every catalog topic created."""
+    external = os.environ.get("FORGE_TEST_BOOTSTRAP_SERVERS")
+    if external:
+        create_topics(external)
+        yield external
+        return
+    broker = LocalBroker(BrokerConfig(tmp_path_factory.mktemp("kafka"), ForgeSettings().cache_dir,
+                                      port=free_port(), controller_port=free_port()))
+    bootstrap = broker.start()
+    create_topics(bootstrap)
+    yield bootstrap
+    broker.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A unique id for this test's groups, sessions and consumer groups on the shared broker."""
+    return uuid.uuid4().hex[:10]
