@@ -85,7 +85,7 @@ def ppo_clip_loss(
     old_logprobs: Sequence,
     advantages: Sequence,
     *,
-    eps_low: float = 0.2,
+    eps_low: float | None = 0.2,
     eps_high: float = 0.2,
     normalizer: int | None = None,
 ) -> LossOutput:
