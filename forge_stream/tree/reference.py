@@ -77,28 +77,37 @@ def separate_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     return out
 
 
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into batches whose padded size (count x longest) fits `batch_tokens`."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def padded_batch_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """One right-padded batch through the model's own causal attention with full logits."""
+    device = model.get_input_embeddings().weight.device
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    for j, seq in enumerate(sequences):
+        ids[j, : len(seq)] = torch.tensor(list(seq), device=device)
+        mask[j, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return [_token_logprobs(logits[j, : len(seq)], ids[j, : len(seq)]) for j, seq in enumerate(sequences)]
+
+
 def padded_logprobs(
     model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, batch_tokens: int = 16384
 ) -> list[torch.Tensor]:
     """Unshared baseline: length-sorted, right-padded batches of at most `batch_tokens` padded tokens."""
-    device = model.get_input_embeddings().weight.device
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[torch.Tensor | None] = [None] * len(sequences)
-    lo = 0
-    while lo < len(order):
-        hi = lo + 1
-        while hi < len(order) and (hi + 1 - lo) * len(sequences[order[hi]]) <= batch_tokens:
-            hi += 1
-        batch = order[lo:hi]
-        width = len(sequences[batch[-1]])
-        ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
-        for j, i in enumerate(batch):
-            ids[j, : len(sequences[i])] = torch.tensor(list(sequences[i]), device=device)
-            mask[j, : len(sequences[i])] = 1
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        for j, i in enumerate(batch):
-            n = len(sequences[i])
-            out[i] = _token_logprobs(logits[j, :n], ids[j, :n])
-        lo = hi
+    for batch in length_batches([len(s) for s in sequences], batch_tokens):
+        for i, lp in zip(batch, padded_batch_logprobs(model, [sequences[i] for i in batch])):
+            out[i] = lp
     return out
