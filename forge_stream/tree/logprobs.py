@@ -88,8 +88,7 @@ def tree_hidden_states(
     extra: dict = {}
     if backend == "ancestor":
         impl = attention.ANCESTOR_IMPL
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-        extra[attention.PLAN_KWARG] = attention.ancestor_plan(packed, chunk_rows, device, checkpoint=needs_grad)
+        extra[attention.PLAN_KWARG] = attention.ancestor_plan(packed, chunk_rows, device)
     elif backend == "flex":
         impl = attention.FLEX_IMPL
         extra[attention.BLOCK_MASK_KWARG] = attention.block_mask(packed, device)
