@@ -103,6 +103,10 @@ def create_app(registry: SchemaRegistry | None = None) -> FastAPI:
     def config():
         return _ok({"compatibilityLevel": "BACKWARD"})
 
+    @app.get("/{path:path}")
+    def not_found(path: str):  # e.g. /associations/...: clients treat 404 as "none" and fall back
+        return _error(404, 40400, f"/{path} is not served by forge-stream's read-only registry")
+
     @app.api_route("/{path:path}", methods=["POST", "PUT", "DELETE"])
     def read_only(path: str):
         return _error(405, 40501, "forge-stream's registry is read-only: schemas change by committing to "

@@ -71,10 +71,27 @@ class SchemaRegistry:
         return sorted(self.versions)
 
 
+def _without_logical_types(node):
+    """forge-stream code works with epoch milliseconds as ints: read `timestamp-millis` as its plain long.
+
+    The logical type stays in the served schema text (outside consumers get datetimes) and does not enter the
+    Parsing Canonical Form, so fingerprints are the same either way.
+    """
+    if isinstance(node, dict):
+        return {k: _without_logical_types(v) for k, v in node.items() if k != "logicalType"}
+    if isinstance(node, list):
+        return [_without_logical_types(v) for v in node]
+    return node
+
+
+def parse(text: str) -> dict:
+    return fastavro.parse_schema(_without_logical_types(json.loads(text)), _write_hint=False, _force=True)
+
+
 def _load_entry(raw: dict, schemas_dir: Path) -> RegisteredSchema:
     path = schemas_dir / raw["file"]
     text = path.read_text()
-    parsed = fastavro.parse_schema(json.loads(text), _write_hint=False, _force=True)
+    parsed = parse(text)
     actual = schema_fingerprint(parsed)
     if actual != raw["fingerprint"]:
         raise RegistryError(
@@ -104,13 +121,13 @@ def register(schemas_dir: Path = SCHEMAS_DIR) -> list[str]:
     registry_path = schemas_dir / "registry.json"
     entries = json.loads(registry_path.read_text())["schemas"] if registry_path.exists() else []
     history = {
-        schema_fingerprint(fastavro.parse_schema(json.loads(p.read_text()), _write_hint=False, _force=True)): p
+        schema_fingerprint(parse(p.read_text())): p
         for p in sorted((schemas_dir / "history").glob("*.avsc"))
     }
     known = {e["fingerprint"] for e in entries}
     changes = []
     for path in sorted(schemas_dir.glob("*.avsc")):
-        parsed = fastavro.parse_schema(json.loads(path.read_text()), _write_hint=False, _force=True)
+        parsed = parse(path.read_text())
         fp = schema_fingerprint(parsed)
         if fp in known:
             continue

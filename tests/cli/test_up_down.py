@@ -1,0 +1,81 @@
+"""`forge-stream up`, `status` and `down` on a fresh home: the broker starts, data survives a restart."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+from confluent_kafka import Consumer, TopicPartition
+
+from forge_stream.events import decode, encode
+from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.topics import TOPICS
+
+
+def cli(env, *args, timeout=180):
+    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_up_status_down_up_keeps_data(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
+    kafka, registry = free_port(), free_port()
+    env.update(FORGE_HOME=str(tmp_path / "home"), FORGE_KAFKA_PORT=str(kafka),
+               FORGE_KAFKA_CONTROLLER_PORT=str(free_port()), FORGE_REGISTRY_PORT=str(registry),
+               FORGE_ENGINE_PORT=str(free_port()))
+    try:
+        up = json.loads(cli(env, "up", "--json"))
+        bootstrap = up["bootstrap_servers"]
+        assert bootstrap == f"127.0.0.1:{kafka}" and up["embedded_broker"]
+        assert set(up["topics"]) == {t.name for t in TOPICS.all()}
+        assert httpx.get(f"http://127.0.0.1:{registry}/subjects").status_code == 200
+
+        producer = EventProducer(bootstrap)
+        sent = []
+        for i in range(20):
+            record = {"event_id": f"e{i}", "event_time": 1_764_000_000_000 + i, "task_id": f"t{i}",
+                      "group_id": f"g{i}", "seq": i, "domain": "qa", "grader": "exact", "group_size": 4,
+                      "prompt_json": "{}", "metadata": {}}
+            producer.send_sync(TOPICS.tasks, record["group_id"], record)
+            sent.append(record)
+        producer.close()
+
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "half-reader",
+                             "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        consumer.assign([TopicPartition(TOPICS.tasks.name, 0, 0)])
+        msg = consumer.poll(15)
+        consumer.commit(message=msg, asynchronous=False)
+        consumer.close()
+
+        status = json.loads(cli(env, "status", "--json"))
+        assert status["reachable"] and status["topics"][TOPICS.tasks.name]["messages"] == 20
+        assert status["topics"][TOPICS.tasks.name]["partitions"] == TOPICS.tasks.partitions
+        lag = status["consumer_groups"]["half-reader"]["lag"]
+        assert lag == status["topics"][TOPICS.tasks.name]["end_offsets"]["0"] - 1
+        assert status["services"]["registry"]["healthy"]
+
+        down = json.loads(cli(env, "down", "--json"))
+        assert down["stopped_broker"] and set(down["stopped_services"]) == set(up["services"])
+        assert not json.loads(subprocess.run([sys.executable, "-m", "forge_stream", "status", "--json"], env=env,
+                                             capture_output=True, text=True).stdout)["reachable"]
+
+        cli(env, "up", "--json")
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "after-restart",
+                             "auto.offset.reset": "earliest"})
+        consumer.subscribe([TOPICS.tasks.name])
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            msg = consumer.poll(1.0)
+            if msg is not None and not msg.error():
+                got.append(decode(msg.value())[1])
+        consumer.close()
+        assert sorted(got, key=lambda r: r["seq"]) == sent
+        assert encode("Task", got[0])  # still valid events
+    finally:
+        subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
