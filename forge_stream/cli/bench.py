@@ -46,3 +46,15 @@ def scheduler(
 
     settings = bench.SimSettings(seed=seed, tasks=tasks, slots=slots, buffer=None if buffer < 0 else buffer)
     emit(bench.run(settings), as_json)
+
+
+@app.command("prefix-tree")
+def prefix_tree(
+    as_json: bool = typer.Option(False, "--json", help="Print one compact JSON object."),
+    threads: int = typer.Option(2, help="torch CPU threads per measured step."),
+    quick: bool = typer.Option(False, help="Tiny model and workloads (a smoke run, not representative)."),
+) -> None:
+    """One training step tree-packed vs unshared on GRPO, multi-turn and long-horizon agent workloads."""
+    from forge_stream.bench import prefix_tree as bench
+
+    emit(bench.run(quick=quick, threads=threads), as_json)
