@@ -11,9 +11,12 @@ from forge_stream.topics import TOPICS
 
 
 def test_newest_picks_the_highest_version_ahead():
-    records = [{"version": 3}, {"version": 5}, {"version": 4}]
-    assert newest(records, 2)["version"] == 5
-    assert newest(records, 5) is None
+    records = [{"version": 3, "checkpoint_uri": "a"}, {"version": 5, "checkpoint_uri": "b"},
+               {"version": 4, "checkpoint_uri": "c"}, {"version": 5, "checkpoint_uri": "d"}]
+    assert newest(records, 2)["checkpoint_uri"] == "d"
+    assert newest(records, 5, "d") is None
+    assert newest(records, 5, "b")["checkpoint_uri"] == "d"  # re-published after a trainer crash
+    assert newest(records, 6, "x") is None
     assert newest([], 0) is None
 
 
