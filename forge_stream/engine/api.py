@@ -72,14 +72,14 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def create_app(engine: EngineService, policy_bootstrap: str | None = None) -> FastAPI:
+def create_app(engine: EngineService, policy_bootstrap: str | None = None, policy_run: str = "default") -> FastAPI:
     """An app serving `engine`; the scheduler thread (and, with `policy_bootstrap`, a watcher of forge.policy
     that loads each newer published version) runs for the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        watcher = asyncio.create_task(watch_policy(engine, policy_bootstrap)) if policy_bootstrap else None
+        watcher = asyncio.create_task(watch_policy(engine, policy_bootstrap, policy_run)) if policy_bootstrap else None
         try:
             yield
         finally:

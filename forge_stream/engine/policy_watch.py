@@ -31,8 +31,9 @@ def newest(records: list[dict], current: int, current_path: str | None = None) -
     return None
 
 
-async def watch_policy(engine, bootstrap: str, poll_ms: int = 500) -> None:
-    """Run until cancelled, loading each newer policy version into `engine`."""
+async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: int = 500) -> None:
+    """Run until cancelled, loading each newer policy version of training run `run` (the record key) into
+    `engine`; other runs' versions (a replay, an experiment) are ignored."""
     consumer = AIOKafkaConsumer(TOPICS.policy.name, bootstrap_servers=bootstrap, group_id=None,
                                 auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
@@ -42,6 +43,8 @@ async def watch_policy(engine, bootstrap: str, poll_ms: int = 500) -> None:
             records = []
             for messages in batches.values():
                 for message in messages:
+                    if message.key != run.encode():
+                        continue
                     try:
                         records.append(decode(message.value)[1])
                     except DecodeError as exc:

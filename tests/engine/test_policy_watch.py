@@ -32,13 +32,16 @@ def test_engine_follows_forge_policy(kafka_bootstrap, tiny_model_dir, tiny_model
                                                         "--policy-version", str(version - 1)),
                        log_path=tmp_path / "engine.log") as engine:
         assert _version(engine.url) == version - 1
-        producer.send_sync(TOPICS.policy, "tiny", {
+        producer.send_sync(TOPICS.policy, "another-run", {
+            "event_id": run_id + "x", "event_time": 0, "version": version + 5, "step": 1,
+            "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
+        producer.send_sync(TOPICS.policy, "default", {
             "event_id": run_id, "event_time": 0, "version": version, "step": 1,
             "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
         deadline = time.monotonic() + 60
         while _version(engine.url) != version and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _version(engine.url) == version
+        assert _version(engine.url) == version  # not version + 5: that was another run's
         reply = httpx.post(f"{engine.url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}, timeout=30).json()
         assert reply["policy_version"] == version
