@@ -2,13 +2,14 @@
 
 import typer
 
-from forge_stream.cli import bench, engine, model, schemas, topics, train, up
+from forge_stream.cli import bench, engine, model, replay, schemas, topics, train, up
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
 app.command("down")(up.down)
 app.command("status")(up.status)
 app.command("train")(train.train)
+app.command("replay")(replay.replay)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(bench.app, name="bench")
