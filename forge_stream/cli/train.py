@@ -40,6 +40,7 @@ def train(
     eps_high: float = typer.Option(4.0, help="Upper clip of the importance weight (CISPO: 1 + eps_high)."),
     token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
     wait_s: float = typer.Option(5.0, help="Train a partial batch after waiting this long for a full one."),
+    from_now: bool = typer.Option(False, help="A new run trains only on tasks submitted from now on."),
 ) -> None:
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
     from forge_stream.scheduler.consumer import SchedulerSettings
@@ -55,5 +56,5 @@ def train(
     trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
                               checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
                               step=StepConfig(loss=loss, lr=lr, eps_high=eps_high, token_budget=token_budget),
-                              wait_s=wait_s)
+                              wait_s=wait_s, from_now=from_now)
     run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True))

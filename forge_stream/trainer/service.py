@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from confluent_kafka import Consumer, TopicPartition
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.events import deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
-from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover
+from forge_stream.kafka.consumer import consumer_config
+from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover, start_at_end
 from forge_stream.topics import TOPICS
 from forge_stream.trainer.step import StepConfig, build_optimizer, train_step
 
@@ -42,6 +44,7 @@ class TrainerSettings:
     step: StepConfig = field(default_factory=StepConfig)
     keep_checkpoints: int = 3
     wait_s: float = 5.0  # how long to wait for a full batch before training a partial one
+    from_now: bool = False  # a new run's queue starts at the current end of forge.tasks / forge.samples
 
 
 def checkpoint_name(version: int) -> str:
@@ -104,9 +107,20 @@ class PolicyTrainer:
         return path
 
 
+def has_committed_offsets(settings: SchedulerSettings) -> bool:
+    consumer = Consumer(consumer_config(settings.bootstrap, settings.name))
+    try:
+        partitions = [TopicPartition(t.name, p) for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
+        return any(tp.offset >= 0 for tp in consumer.committed(partitions, timeout=10))
+    finally:
+        consumer.close()
+
+
 def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=print) -> list[dict]:
     """Train until `steps` steps are done (forever if None); returns the TrainStep records."""
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if settings.from_now and not has_committed_offsets(settings.scheduler):
+        start_at_end(settings.scheduler)
     producer = EventProducer(settings.bootstrap)
     recovered = recover(settings.scheduler)
     resume = 0 if recovered.last_version is None else recovered.last_version + 1
