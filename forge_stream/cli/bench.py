@@ -10,3 +10,15 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON o
 def emit(result: dict, as_json: bool) -> None:
     """Print a benchmark result: compact JSON for scripts, indented for people."""
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
+@app.command("prefix-tree")
+def prefix_tree(
+    as_json: bool = typer.Option(False, "--json", help="Print one compact JSON object."),
+    threads: int = typer.Option(2, help="torch CPU threads per measured step."),
+    quick: bool = typer.Option(False, help="Tiny model and workloads (a smoke run, not representative)."),
+) -> None:
+    """One training step tree-packed vs unshared on GRPO, multi-turn and long-horizon agent workloads."""
+    from forge_stream.bench import prefix_tree as bench
+
+    emit(bench.run(quick=quick, threads=threads), as_json)
