@@ -2,7 +2,7 @@
 
 import typer
 
-from forge_stream.cli import bench, schemas, topics, up
+from forge_stream.cli import bench, processors, schemas, topics, up
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -10,6 +10,7 @@ app.command("down")(up.down)
 app.command("status")(up.status)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
+app.add_typer(processors.app, name="processors")
 app.add_typer(bench.app, name="bench")
 
 

@@ -45,12 +45,10 @@ def fold(state: dict | None, schema: str, record: dict, settings: ProcessorSetti
 
 def expire(state: dict | None, now_ms: int, settings: ProcessorSettings) -> tuple[dict | None, list[Emit]]:
     """Close an open group whose deadline passed; forget a closed marker after `forget_closed_ms`."""
-    if state is None:
-        return None, []
-    if state["closed"]:
-        return (None, []) if now_ms >= state["closed_ms"] + settings.forget_closed_ms else (state, [])
-    if now_ms < groups.deadline_ms(state, settings):
+    if state is None or not groups.due(state, now_ms, settings):
         return state, []
+    if state["closed"]:
+        return None, []
     return close(state, complete=False, settings=settings)
 
 

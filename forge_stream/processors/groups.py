@@ -7,8 +7,9 @@ A group is one task instance (its Task event gives G, seq and domain) and its G 
      "completions": {completion_id: Completion}, "spans": {span_id: ToolSpan},
      "rewards": {event_id: Reward}, "closed": False}
 
-A session is *done* when its SessionFinished arrived and either an outcome Reward arrived for it or its
-status is not ok (a failed rollout needs no grade). The group is *complete* when its Task arrived and G
+A session is *done* when its SessionFinished arrived, so did the `num_completions` completions it reports,
+and either an outcome Reward arrived for it or its status is not ok (a failed rollout needs no grade).
+ToolSpans have no such count: a span read after its group closed is ignored like any late event. The group is *complete* when its Task arrived and G
 sessions are done. Every event is stored under its own identity, so a redelivered event changes nothing.
 Rewards published by the processors themselves (source == settings.source) are not read back.
 
@@ -86,10 +87,16 @@ def outcome_rewards(state: dict) -> dict[str, list[dict]]:
 
 
 def done_sessions(state: dict) -> list[str]:
-    """Sessions that finished and, if their status is ok, have an outcome reward (sorted ids)."""
+    """Sessions that finished, whose `num_completions` completions all arrived and that, if their status is
+    ok, have an outcome reward (sorted ids). Topics are consumed in no particular order relative to each
+    other, so a SessionFinished may be read before the session's last Completion."""
     graded = outcome_rewards(state)
+    received: dict[str, int] = {}
+    for comp in state["completions"].values():
+        received[comp["session_id"]] = received.get(comp["session_id"], 0) + 1
     return sorted(sid for sid, s in state["sessions"].items()
-                  if s["finished"] is not None and (sid in graded or s["finished"]["status"] != "ok"))
+                  if s["finished"] is not None and received.get(sid, 0) >= s["finished"]["num_completions"]
+                  and (sid in graded or s["finished"]["status"] != "ok"))
 
 
 def is_complete(state: dict) -> bool:
@@ -100,6 +107,13 @@ def is_complete(state: dict) -> bool:
 def deadline_ms(state: dict, settings: ProcessorSettings) -> int:
     """When a still-open group times out: its first event's time plus the timeout (compared with wall time)."""
     return state["first_ms"] + settings.group_timeout_ms
+
+
+def due(state: dict, now_ms: int, settings: ProcessorSettings) -> bool:
+    """Whether `expire` would change the state: an open group past its deadline, or a marker to forget."""
+    if state["closed"]:
+        return now_ms >= state["closed_ms"] + settings.forget_closed_ms
+    return now_ms >= deadline_ms(state, settings)
 
 
 def closed_marker(state: dict, closed_ms: int) -> dict:

@@ -114,3 +114,12 @@ def test_invalid_events_are_rejected(schema, patch):
 def test_unknown_schema_is_rejected():
     with pytest.raises(InvalidEvent):
         fold(None, "TrainStep", {"group_id": "g"}, SETTINGS)
+
+
+def test_finish_read_before_last_completion_waits_for_it():
+    events = group_events("g", group_size=1, turns=3)
+    last = [e for e in events if e[0] == "Completion"][-1]
+    state, out = run([e for e in events if e is not last])
+    assert out == [] and not state["closed"]
+    state, out = run([last], state)
+    assert len(by_schema(out, "TrainSample")[0]["sequences"]) == 2  # turn 0 of session 0 is untrainable
