@@ -1,0 +1,86 @@
+"""The trainer on the real broker: windowed batches of TrainSamples -> steps -> checkpoints -> PolicyVersion,
+picked up by an engine following the run; then a replay of the same history as its own run."""
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+from confluent_kafka import Consumer, TopicPartition
+
+from forge_stream.engine.process import EngineProcess
+from forge_stream.events import now_ms
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors.fold import fold
+from forge_stream.processors.settings import ProcessorSettings
+from forge_stream.processors.synthetic import group_events
+from forge_stream.scheduler.consumer import SchedulerSettings, read_to_end, start_at_end
+from forge_stream.topics import TOPICS
+
+
+def _publish_groups(bootstrap, run_id, n):
+    """Task + TrainSample of n synthetic groups, computed by the processors' pure fold."""
+    producer = EventProducer(bootstrap)
+    groups = []
+    for i in range(n):
+        gid = f"{run_id}-g{i}"
+        state, sample = None, None
+        for schema, record in group_events(gid, seq=now_ms() * 1000 + i, group_size=3, turns=2):
+            if schema == "Task":
+                producer.send_sync(TOPICS.tasks, gid, record)
+            state, emits = fold(state, schema, record, ProcessorSettings())
+            sample = next((e.record for e in emits if e.schema == "TrainSample"), sample)
+        producer.send_sync(TOPICS.samples, gid, sample)
+        groups.append(gid)
+    producer.close()
+    return groups
+
+
+def _cli(*args, timeout=300):
+    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def _committed(bootstrap, group):
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        parts = [TopicPartition(t.name, p) for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
+        return {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(parts, timeout=10)}
+    finally:
+        consumer.close()
+
+
+def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap, tiny_model_dir, tmp_path, run_id):
+    run = f"run-{run_id}"
+    start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))
+    since = now_ms() - 1
+    groups = _publish_groups(kafka_bootstrap, run_id, 4)
+    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run),
+                       log_path=tmp_path / "engine.log") as engine:
+        _cli("train", "--bootstrap-servers", kafka_bootstrap, "--run", run, "--model", str(tiny_model_dir),
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--batch-size", "2", "--wait-s", "2",
+             "--lr", "1e-3")
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{engine.url}/health").json()["policy_version"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        health = httpx.get(f"{engine.url}/health").json()
+        assert health["policy_version"] == 2
+
+    steps = [r for k, r in read_to_end(kafka_bootstrap, TOPICS.train_metrics, f"check-{run_id}") if k == run]
+    assert [s["step"] for s in steps] == [0, 1] and [s["policy_version"] for s in steps] == [0, 1]
+    assert sorted(g for s in steps for g in s["group_ids"]) == sorted(groups)
+    assert all(s["tree_ratio"] > 1.0 and s["unique_tokens"] < s["total_tokens"] for s in steps)
+    assert sorted(p.name[:7] for p in (tmp_path / "ckpt").iterdir()) == ["v000001", "v000002"]
+    live_offsets = _committed(kafka_bootstrap, f"scheduler:{run}")
+
+    out = _cli("replay", "--bootstrap-servers", kafka_bootstrap, "--run", f"{run}-replay", "--from", str(since),
+               "--model", str(tiny_model_dir), "--checkpoint-dir", str(tmp_path / "replay"), "--batch-size", "2",
+               "--json")
+    result = json.loads(out.stdout)
+    assert result["samples"] >= 4 and result["final_policy_version"] == len(result["steps"])
+    replayed = {g for s in result["steps"] for g in s["group_ids"]}
+    assert set(groups) <= replayed
+    assert _committed(kafka_bootstrap, f"scheduler:{run}") == live_offsets  # live offsets untouched
