@@ -71,7 +71,8 @@ def _tokens(gen: torch.Generator, vocab: int, n: int) -> list[int]:
 def grpo_workload(s: BenchSettings, gen: torch.Generator) -> list[list[int]]:
     prompt = _tokens(gen, s.vocab_size, s.grpo_prompt)
     lo, hi = s.grpo_completion
-    return [prompt + _tokens(gen, s.vocab_size, int(torch.randint(lo, hi + 1, (1,), generator=gen))) for _ in range(s.grpo_group)]
+    lengths = torch.randint(lo, hi + 1, (s.grpo_group,), generator=gen).tolist()
+    return [prompt + _tokens(gen, s.vocab_size, n) for n in lengths]
 
 
 def agent_workload(

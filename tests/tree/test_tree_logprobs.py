@@ -117,9 +117,9 @@ def test_random_forest_with_deep_branches_matches_padded_baseline():
     gen = torch.Generator().manual_seed(5)
     trunk = torch.randint(0, 128, (60,), generator=gen).tolist()
     seqs = []
-    for i in range(12):
-        cut = int(torch.randint(1, 60, (1,), generator=gen))
-        seqs.append(trunk[:cut] + torch.randint(0, 128, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist())
+    for _ in range(12):
+        cut, tail = torch.randint(1, 60, (2,), generator=gen).tolist()
+        seqs.append(trunk[:cut] + torch.randint(0, 128, (tail % 20 + 1,), generator=gen).tolist())
     seqs.append([9] * 30)
     model = tiny_causal_lm("mistral", num_layers=3, seed=6)
     with torch.no_grad():
