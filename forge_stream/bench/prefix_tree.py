@@ -16,6 +16,7 @@ gradient buffers already exist, so this is activation memory).
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -110,7 +111,8 @@ def _rss_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def _tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+def tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+    """Forward + backward of sum_i w_i * sum(lp_i) over the packed tree; returns the detached log-probs."""
     from forge_stream.tree import pack, sequence_logprobs
 
     lps = sequence_logprobs(model, pack(seqs), chunk_rows=s.chunk_rows)
@@ -118,7 +120,8 @@ def _tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
     return [lp.detach() for lp in lps]
 
 
-def _baseline_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+def baseline_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+    """The same loss without sharing: padded length-sorted batches, backward per batch."""
     from forge_stream.tree.reference import length_batches, padded_batch_logprobs
 
     out: list = [None] * len(seqs)
@@ -141,7 +144,7 @@ def _measure(variant: str, name: str, s: BenchSettings) -> dict:
     )  # fmt: skip
     seqs = workloads(s)[name]
     weights = torch.randn(len(seqs), generator=torch.Generator().manual_seed(s.seed + 1)).tolist()
-    step = _tree_step if variant == "tree" else _baseline_step
+    step = tree_step if variant == "tree" else baseline_step
     step(model, [x[:64] for x in seqs[:2]], weights, s)  # warm-up; also allocates the .grad buffers
     model.zero_grad(set_to_none=False)
     gc.collect()
@@ -168,6 +171,7 @@ def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: 
         tree = pack(seqs)
         measured = {}
         for variant in ("tree", "baseline"):
+            print(f"prefix-tree: {name} {variant} (T={tree.total_tokens}, U={tree.num_rows})", file=sys.stderr)
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 measured[variant] = pool.submit(_measure, variant, name, s).result()
         t, b = measured["tree"], measured["baseline"]

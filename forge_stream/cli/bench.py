@@ -15,6 +15,42 @@ def emit(result: dict, as_json: bool) -> None:
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
+@app.command("codec")
+def codec(as_json: bool = typer.Option(False, "--json"), events: int = 200, seconds: float = 2.0) -> None:
+    """Avro (Confluent framing) vs JSON on Completion events with 4,096 + 512 token ids."""
+    from forge_stream.bench.codec import run
+
+    emit(run(events=events, seconds=seconds), as_json)
+
+
+@app.command("engine")
+def engine(
+    requests: int = typer.Option(16, help="Concurrent requests in the batched run."),
+    max_tokens: int = typer.Option(64, help="Tokens per request."),
+    model_dir: str = typer.Option(None, help="Model directory (default: a fresh tiny model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+) -> None:
+    """Local engine decode throughput: one request at a time vs all batched."""
+    from forge_stream.bench.engine import run
+
+    emit(run(requests=requests, max_tokens=max_tokens, model_dir=model_dir), as_json)
+
+
+@app.command("scheduler")
+def scheduler(
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+    seed: int = typer.Option(0, help="Seed of the rollout durations."),
+    tasks: int = typer.Option(8192, help="Tasks (groups) in the run."),
+    slots: int = typer.Option(256, help="Concurrent rollout slots C."),
+    buffer: int = typer.Option(-1, help="Bound on finished groups waiting beyond the slots; -1 = unbounded."),
+) -> None:
+    """Windowed FIFO vs strict FIFO, greedy and an AReaL-style bound, in a seeded event simulation."""
+    from forge_stream.bench import scheduler as bench
+
+    settings = bench.SimSettings(seed=seed, tasks=tasks, slots=slots, buffer=None if buffer < 0 else buffer)
+    emit(bench.run(settings), as_json)
+
+
 @app.command("prefix-tree")
 def prefix_tree(
     as_json: bool = typer.Option(False, "--json", help="Print one compact JSON object."),

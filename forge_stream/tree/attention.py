@@ -5,8 +5,8 @@ Three ways to attend over a packed tree (row q sees row k iff `k <= q <= subtree
 * `ancestor` (CPU default): rows are cut into chunks [a, b). In DFS pre-order every key a row of the chunk
   may see is either an ancestor of row a or a row of the chunk itself, so each chunk gathers K/V of
   `ancestors(a) + [a, b)` and runs masked SDPA on that small block. Work is about sum(depth + chunk) over
-  rows, never U x U; with checkpointing (on by default when grads are needed) a chunk's gathered K/V and
-  attention are recomputed in backward, so saved activations stay O(U) per layer.
+  rows, never U x U. A custom autograd function recomputes each chunk in backward and scatters its K/V
+  gradients into one buffer, so saved activations stay O(U) per layer.
 * `flex` (GPU default): `flex_attention` with a BlockMask built once per batch from the same predicate, compiled
   on CUDA. It also runs eagerly on CPU (dense, slow), which is how its logic is tested without a GPU.
 * `dense`: a 4D boolean U x U mask handed to the model's own SDPA; the reference in tests.
@@ -22,7 +22,6 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from forge_stream.tree.pack import PackedTree
 
@@ -34,32 +33,78 @@ BLOCK_MASK_KWARG = "forge_tree_block_mask"
 
 @dataclass(frozen=True)
 class AncestorPlan:
-    """Chunks of query rows and, per chunk, the key rows it may read (ancestors of its first row + itself)."""
+    """Chunks of query rows; per chunk the key rows it may read (ancestors of its first row + its own rows)
+    and the boolean visibility of those keys for each query row of the chunk."""
 
     starts: tuple[int, ...]
-    stops: tuple[int, ...]
     key_rows: tuple[torch.Tensor, ...]
-    subtree_end: torch.Tensor
-    checkpoint: bool
+    visible: tuple[torch.Tensor, ...]
 
     @property
     def attended_pairs(self) -> int:
         """(query row, key row) pairs scored: the work measure, about sum(depth + chunk) over rows."""
-        return sum((b - a) * int(k.numel()) for a, b, k in zip(self.starts, self.stops, self.key_rows))
+        return sum(int(v.numel()) for v in self.visible)
 
 
-def ancestor_plan(packed: PackedTree, chunk_rows: int, device: torch.device, checkpoint: bool) -> AncestorPlan:
+def ancestor_plan(packed: PackedTree, chunk_rows: int, device: torch.device) -> AncestorPlan:
     """Cut the rows into chunks of `chunk_rows` and find each chunk's visible keys (vectorised per chunk)."""
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
     end = packed.subtree_end
     starts = tuple(range(0, packed.num_rows, chunk_rows))
-    stops = tuple(min(a + chunk_rows, packed.num_rows) for a in starts)
-    key_rows = []
-    for a, b in zip(starts, stops):
-        ancestors = torch.nonzero(end[:a] >= a).flatten()
-        key_rows.append(torch.cat([ancestors, torch.arange(a, b)]).to(device))
-    return AncestorPlan(starts, stops, tuple(key_rows), end.to(device), checkpoint)
+    key_rows, visible = [], []
+    for a in starts:
+        b = min(a + chunk_rows, packed.num_rows)
+        rows = torch.cat([torch.nonzero(end[:a] >= a).flatten(), torch.arange(a, b)])
+        q_rows = torch.arange(a, b)
+        key_rows.append(rows.to(device))
+        visible.append(((rows[None, :] <= q_rows[:, None]) & (end[rows][None, :] >= q_rows[:, None])).to(device))
+    return AncestorPlan(starts, tuple(key_rows), tuple(visible))
+
+
+def _chunk_attention(q, k, v, visible, scaling, gqa):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+
+
+class _AncestorAttention(torch.autograd.Function):
+    """Chunked ancestor attention whose backward recomputes each chunk and scatters its K/V gradients into
+    one buffer (index_add_), so neither gathered K/V nor attention weights are kept, and no chunk creates a
+    U-sized gradient of its own."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan, scaling, gqa):
+        ctx.save_for_backward(query, key, value)
+        ctx.plan, ctx.scaling, ctx.gqa = plan, scaling, gqa
+        return _forward_chunks(query, key, value, plan, scaling, gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value = ctx.saved_tensors
+        plan = ctx.plan
+        dq = torch.empty_like(query)
+        dk = torch.zeros_like(key)
+        dv = torch.zeros_like(value)
+        stops = plan.starts[1:] + (query.shape[2],)
+        for a, b, rows, visible in zip(plan.starts, stops, plan.key_rows, plan.visible):
+            with torch.enable_grad():
+                q = query[:, :, a:b].detach().requires_grad_()
+                k = key[:, :, rows].detach().requires_grad_()
+                v = value[:, :, rows].detach().requires_grad_()
+                out = _chunk_attention(q, k, v, visible, ctx.scaling, ctx.gqa)
+                gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, a:b])
+            dq[:, :, a:b] = gq
+            dk.index_add_(2, rows, gk)
+            dv.index_add_(2, rows, gv)
+        return dq, dk, dv, None, None, None
+
+
+def _forward_chunks(query, key, value, plan, scaling, gqa):
+    stops = plan.starts[1:] + (query.shape[2],)
+    outputs = [
+        _chunk_attention(query[:, :, a:b], key[:, :, rows], value[:, :, rows], visible, scaling, gqa)
+        for a, b, rows, visible in zip(plan.starts, stops, plan.key_rows, plan.visible)
+    ]
+    return torch.cat(outputs, dim=2)
 
 
 def ancestor_attention(
@@ -77,23 +122,11 @@ def ancestor_attention(
     if query.shape[0] != 1 or dropout:
         raise ValueError("tree attention takes one packed row batch and no attention dropout")
     gqa = query.shape[1] != key.shape[1]
-    outputs = []
-    for a, b, rows in zip(plan.starts, plan.stops, plan.key_rows):
-        args = (query[:, :, a:b], key, value, rows, plan.subtree_end, a, scaling, gqa)
-        if plan.checkpoint and torch.is_grad_enabled() and query.requires_grad:
-            outputs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
-        else:
-            outputs.append(_chunk_attention(*args))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def _chunk_attention(q, key, value, rows, subtree_end, start, scaling, gqa):
-    """Masked SDPA of one chunk of query rows against its gathered ancestor + own key rows."""
-    q_rows = torch.arange(start, start + q.shape[2], device=q.device)
-    visible = (rows[None, :] <= q_rows[:, None]) & (subtree_end[rows][None, :] >= q_rows[:, None])
-    return F.scaled_dot_product_attention(
-        q, key[:, :, rows], value[:, :, rows], attn_mask=visible, scale=scaling, enable_gqa=gqa
-    )
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        out = _AncestorAttention.apply(query, key, value, plan, scaling, gqa)
+    else:
+        out = _forward_chunks(query, key, value, plan, scaling, gqa)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def block_mask(packed: PackedTree, device: torch.device):

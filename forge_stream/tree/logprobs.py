@@ -40,7 +40,8 @@ def sequence_logprobs(
     with a BlockMask), "dense" (U x U mask; a reference for tests). Differentiable w.r.t. the model parameters.
     """
     row_lp = row_logprobs(model, packed, backend=backend, chunk_rows=chunk_rows, head_rows=head_rows)
-    return [row_lp[path[1:]] for path in packed.paths]
+    rows = torch.cat([path[1:] for path in packed.paths]).to(row_lp.device)
+    return list(row_lp[rows].split([len(path) - 1 for path in packed.paths]))
 
 
 def row_logprobs(
@@ -58,10 +59,15 @@ def row_logprobs(
     children = torch.nonzero(packed.parent_row >= 0).flatten().to(device)
     parents = packed.parent_row.to(device)[children]
     targets = packed.token_ids.to(device)[children]
+    # One gather for all parent rows, then split (whose backward is a single concatenation), so no chunk
+    # creates a U-sized gradient of its own.
+    parent_hidden = hidden[parents].split(head_rows)
     pieces = []
-    for lo in range(0, children.numel(), head_rows):
-        args = (head, hidden, parents[lo : lo + head_rows], targets[lo : lo + head_rows])
-        pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if hidden.requires_grad else _head_logprobs(*args))
+    for h, t in zip(parent_hidden, targets.split(head_rows)):
+        if h.requires_grad:
+            pieces.append(checkpoint(_head_logprobs, head, h, t, use_reentrant=False))
+        else:
+            pieces.append(_head_logprobs(head, h, t))
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
     row_lp = torch.zeros(packed.num_rows, dtype=out_dtype, device=device)
     if pieces:
@@ -69,9 +75,9 @@ def row_logprobs(
     return row_lp
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, parents: torch.Tensor, targets: torch.Tensor):
-    """log_softmax(head(hidden[parents]))[targets], computed in at least float32."""
-    logits = head(hidden[parents])
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(head(hidden))[targets] per row, computed in at least float32."""
+    logits = head(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
 
@@ -88,8 +94,7 @@ def tree_hidden_states(
     extra: dict = {}
     if backend == "ancestor":
         impl = attention.ANCESTOR_IMPL
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-        extra[attention.PLAN_KWARG] = attention.ancestor_plan(packed, chunk_rows, device, checkpoint=needs_grad)
+        extra[attention.PLAN_KWARG] = attention.ancestor_plan(packed, chunk_rows, device)
     elif backend == "flex":
         impl = attention.FLEX_IMPL
         extra[attention.BLOCK_MASK_KWARG] = attention.block_mask(packed, device)

@@ -1,0 +1,64 @@
+"""`forge-stream bench engine`: decode throughput of the local engine, one request at a time vs batched.
+
+Builds the tiny model in a temporary directory (or uses `model_dir`), runs `requests` greedy requests of
+`max_tokens` tokens through the scheduler first one by one, then all at once, and reports tokens per second.
+"""
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from forge_stream.engine.sampling import SamplingParams
+from forge_stream.engine.scheduler import LoadedModel, Request, Scheduler, TokenEvent
+from forge_stream.engine.tiny import init_tiny_model
+
+
+def _run_all(scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
+    done = threading.Semaphore(0)
+    produced = [0]
+
+    def sink(event) -> None:
+        if isinstance(event, TokenEvent):
+            produced[0] += 1
+            if event.finish_reason:
+                done.release()
+
+    started = time.perf_counter()
+    for prompt in prompts:
+        scheduler.submit(Request(prompt, params, 1, sink))
+    for _ in prompts:
+        done.acquire()
+    return produced[0], time.perf_counter() - started
+
+
+def run(requests: int = 16, max_tokens: int = 64, model_dir: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(model_dir) if model_dir else Path(tmp) / "tiny"
+        if not model_dir:
+            init_tiny_model(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        scheduler = Scheduler(LoadedModel(model, 0, str(path)),
+                              decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+                              eos_ids={tokenizer.eos_token_id}, max_batch_size=requests, max_model_len=4096)
+        scheduler.start()
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
+        prompts = [tokenizer.encode(f"Request {i}: the agent reads the weather report.") for i in range(requests)]
+        _run_all(scheduler, prompts[:2], params)
+        one_tokens, one_s = 0, 0.0
+        for prompt in prompts:
+            tokens, seconds = _run_all(scheduler, [prompt], params)
+            one_tokens, one_s = one_tokens + tokens, one_s + seconds
+        batch_tokens, batch_s = _run_all(scheduler, prompts, params)
+        scheduler.stop()
+    return {
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "sequential_tokens_per_s": round(one_tokens / one_s, 1),
+        "batched_tokens_per_s": round(batch_tokens / batch_s, 1),
+        "speedup": round((batch_tokens / batch_s) / (one_tokens / one_s), 2),
+        "max_batch": scheduler.stats.max_batch,
+    }

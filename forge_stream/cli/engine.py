@@ -1,0 +1,41 @@
+"""`forge-stream engine serve`: run the local rollout engine as its own HTTP server process."""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="The local torch rollout engine (OpenAI protocol).")
+
+
+@app.callback()
+def group() -> None:
+    """The local torch rollout engine."""
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(..., help="HuggingFace causal-LM directory."),
+    port: int = typer.Option(8100, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    served_model_name: str = typer.Option(None, help="Model name in responses (default: the path)."),
+    policy_version: int = typer.Option(0, help="Policy version of the initial weights."),
+    max_batch_size: int = typer.Option(32, help="Most sequences decoded together."),
+    max_model_len: int = typer.Option(None, help="Prompt + completion limit (default: the model's)."),
+    device: str = typer.Option("cpu", help="torch device."),
+    dtype: str = typer.Option("float32", help="torch dtype of the weights."),
+    logprobs_mode: str = typer.Option("raw", help="raw: model logprobs (default, like vLLM); processed."),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
+                                          help="Follow forge.policy on this Kafka and load each new version."),
+    policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
+) -> None:
+    """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
+    import uvicorn
+
+    from forge_stream.engine.api import create_app
+    from forge_stream.engine.serving import EngineService
+    from forge_stream.engine.settings import EngineSettings
+
+    settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
+                              policy_version=policy_version, max_batch_size=max_batch_size,
+                              max_model_len=max_model_len, dtype=dtype, device=device,
+                              logprobs_mode=logprobs_mode)
+    app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

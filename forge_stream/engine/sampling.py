@@ -1,0 +1,80 @@
+"""Token choice for one sequence: temperature, top-p, a per-sequence seeded generator, and the logprobs we report.
+
+Reported logprobs follow vLLM's default `--logprobs-mode raw_logprobs`: the log-softmax of the model's raw
+logits (temperature 1, no top-p), i.e. exactly what a trainer recomputes as the old policy's logprob. With
+`logprobs_mode="processed"` they are the log-softmax of the distribution actually sampled from (after
+temperature and top-p), like vLLM's `processed_logprobs`. Greedy decoding (temperature 0) reports raw logprobs
+in both modes.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+LogprobsMode = Literal["raw", "processed"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one choice may generate and how it picks tokens."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sampled token with its logprob and the top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = field(default=())
+
+
+def make_generator(seed: int | None, choice_index: int) -> torch.Generator:
+    """A CPU generator for one choice: `seed + choice_index` when seeded (vLLM's rule for n > 1)."""
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed((seed + choice_index) % (2**63))
+    return gen
+
+
+def _top_p_filter(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches top_p (always at least one)."""
+    sorted_logits, order = torch.sort(scaled, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           mode: LogprobsMode = "raw") -> Choice:
+    """Pick the next token from one row of float32 logits and report its logprob (see module docstring)."""
+    raw = torch.log_softmax(logits, dim=-1)
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+        reported = raw
+    else:
+        scaled = logits / params.temperature
+        if params.top_p < 1.0:
+            scaled = _top_p_filter(scaled, params.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        reported = raw if mode == "raw" else torch.log_softmax(scaled, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if params.top_logprobs > 0:
+        values, ids = torch.topk(reported, min(params.top_logprobs, reported.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return Choice(token_id=token, logprob=float(reported[token]), top=top)

@@ -1,0 +1,207 @@
+"""The engine service: OpenAI requests in, scheduler requests out, OpenAI responses and SSE chunks back.
+
+No FastAPI here: the router in `api.py` calls these methods. The service owns the tokenizer, the chat
+template, the scheduler and the current policy version; `load_weights` is the one method both the admin
+endpoint and a forge.policy watcher call to move to new weights.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from forge_stream.engine.sampling import SamplingParams
+from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
+from forge_stream.engine.settings import EngineSettings
+from forge_stream.openai_protocol import (
+    HealthResponse,
+    LoadWeightsResponse,
+    ModelCard,
+    ModelList,
+)
+
+
+class EngineRequestError(Exception):
+    """A request the engine refuses; the router turns it into an OpenAI error body with this status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, accumulated from its token events."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.token_ids.append(event.token_id)
+        self.logprobs.append(event.logprob)
+        self.tops.append(event.top)
+        self.text += event.text
+        self.finish_reason = event.finish_reason
+        self.stop_reason = event.stop_reason
+
+
+def _load_model(path: str, settings: EngineSettings):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, settings.dtype))
+    return model.to(settings.device).eval()
+
+
+class EngineService:
+    """Generation, model listing and weight reloads for one served model."""
+
+    def __init__(self, settings: EngineSettings, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler,
+                 max_model_len: int):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self._reload_lock = asyncio.Lock()
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> "EngineService":
+        """Load the model directory named by the settings and build a (not yet started) service."""
+        tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        model = _load_model(settings.model, settings)
+        max_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+        scheduler = Scheduler(
+            LoadedModel(model, settings.policy_version, settings.model),
+            decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+            eos_ids={i for i in eos if i is not None},
+            max_batch_size=settings.max_batch_size,
+            max_model_len=max_len,
+            logprobs_mode=settings.logprobs_mode,
+            device=settings.device,
+        )
+        return cls(settings, tokenizer, scheduler, max_len)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    @property
+    def policy_version(self) -> int:
+        return self.scheduler.current.version
+
+    # ----- generation ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> AsyncIterator[Event]:
+        """Events of one request: Admitted, then TokenEvents until all n choices finished (or Failed).
+
+        Leaving the iteration early (client gone) cancels the request in the scheduler.
+        """
+        if not prompt_ids:
+            raise EngineRequestError("The prompt is empty.", param="prompt")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{params.max_tokens} output tokens and your prompt contains {len(prompt_ids)} input tokens.",
+                param="max_tokens")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        request = Request(prompt_ids=prompt_ids, params=params, n=n,
+                          sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        self.scheduler.submit(request)
+        running = n
+        try:
+            while running:
+                event = await events.get()
+                yield event
+                if isinstance(event, Failed):
+                    return
+                if isinstance(event, TokenEvent) and event.finish_reason is not None:
+                    running -= 1
+        finally:
+            request.cancelled.set()
+
+    async def collect(self, prompt_ids: list[int], params: SamplingParams, n: int
+                      ) -> tuple[int, list[ChoiceResult]]:
+        """Run a request to the end: (policy version, one result per choice)."""
+        version, results = self.policy_version, [ChoiceResult() for _ in range(n)]
+        async for event in self.generate(prompt_ids, params, n):
+            if isinstance(event, Admitted):
+                version = event.policy_version
+            elif isinstance(event, TokenEvent):
+                results[event.choice].add(event)
+            else:
+                raise EngineRequestError(event.message, status=500)
+        return version, results
+
+    def sampling_params(self, *, max_tokens: int | None, prompt_len: int, temperature: float | None,
+                        top_p: float | None, stop: str | list[str] | None, seed: int | None, top_logprobs: int,
+                        ignore_eos: bool, stop_token_ids: list[int] | None, skip_special_tokens: bool,
+                        include_stop_str_in_output: bool) -> SamplingParams:
+        """Validate OpenAI sampling fields into SamplingParams (defaults as vLLM: temperature 1, top_p 1)."""
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+        if max_tokens < 1:
+            raise EngineRequestError("max_tokens must be at least 1.", param="max_tokens")
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        if temperature < 0:
+            raise EngineRequestError("temperature must be non-negative.", param="temperature")
+        if not 0.0 < top_p <= 1.0:
+            raise EngineRequestError("top_p must be in (0, 1].", param="top_p")
+        if top_logprobs < 0:
+            raise EngineRequestError("top_logprobs must be non-negative.", param="top_logprobs")
+        stops = (stop,) if isinstance(stop, str) else tuple(s for s in (stop or []) if s)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops,
+                              stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, seed=seed,
+                              top_logprobs=top_logprobs, skip_special_tokens=skip_special_tokens,
+                              include_stop_str_in_output=include_stop_str_in_output)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as reported in logprobs (special tokens spelled out)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ----- models, health, weights -----------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        card = ModelCard(id=self.settings.model_name, root=self.scheduler.current.path,
+                         max_model_len=self.max_model_len, policy_version=self.policy_version)
+        return ModelList(data=[card])
+
+    def health(self) -> HealthResponse:
+        stats = self.scheduler.stats
+        return HealthResponse(model=self.settings.model_name, policy_version=self.policy_version,
+                              active_sequences=self.scheduler.active_versions(),
+                              stats={k: int(v) for k, v in vars(stats).items()})
+
+    async def load_weights(self, path: str, version: int) -> LoadWeightsResponse:
+        """Load checkpoint `path` as policy `version` and serve new requests with it.
+
+        The new model is a separate object: requests already running finish on the old one (and report the
+        old version); the old model is freed when its last sequence ends.
+        """
+        if not Path(path).is_dir():
+            raise EngineRequestError(f"No checkpoint directory at {path!r}.", status=404, param="path")
+        async with self._reload_lock:
+            previous = self.policy_version
+            started = time.perf_counter()
+            try:
+                model = await asyncio.to_thread(_load_model, path, self.settings)
+            except (OSError, ValueError) as exc:
+                raise EngineRequestError(f"Cannot load {path!r}: {exc}", param="path") from exc
+            self.scheduler.swap(LoadedModel(model, version, path))
+            return LoadWeightsResponse(policy_version=version, previous_version=previous, path=path,
+                                       load_seconds=round(time.perf_counter() - started, 4))
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

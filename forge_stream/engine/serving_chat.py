@@ -1,0 +1,182 @@
+"""`/v1/chat/completions`: chat template in, OpenAI chat responses (or SSE chunks shaped like vLLM's) out.
+
+With `return_token_ids` the response carries `prompt_token_ids` (the templated prompt, exactly as fed to the
+model) and each choice its `token_ids` (every generated token, the final EOS included); in a stream the first
+chunk of each choice carries `prompt_token_ids` and every later chunk the `token_ids` and `logprobs` of its
+one new token. Tool calls (Hermes format) are parsed when the request lists tools and tool_choice is not
+"none"; in a stream, text from the first `<tool_call>` on is held back and the calls arrive whole in the
+choice's final chunk, with finish_reason "tool_calls".
+"""
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from forge_stream.engine.serving import ChoiceResult, EngineRequestError, EngineService
+from forge_stream.engine.scheduler import Admitted, Failed, TokenEvent
+from forge_stream.engine.tool_calls import TOOL_CALL_START, parse_tool_calls
+from forge_stream.openai_protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+    random_id,
+)
+
+
+@dataclass
+class _StreamState:
+    text: str = ""
+    sent: int = 0
+    in_tool_call: bool = False
+    tokens: int = 0
+
+
+class ChatServing:
+    """Turns chat requests into engine requests and engine events into chat responses."""
+
+    def __init__(self, engine: EngineService):
+        self.engine = engine
+
+    def prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+        """Apply the model's chat template (with tools) and tokenize without adding special tokens."""
+        tokenizer = self.engine.tokenizer
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=request.add_generation_prompt, tokenize=False,
+                **(request.chat_template_kwargs or {}))
+        except Exception as exc:  # jinja errors, missing template: the request cannot be rendered
+            raise EngineRequestError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        prompt_ids = self.prompt_ids(request)
+        params = self.engine.sampling_params(
+            max_tokens=request.max_completion_tokens or request.max_tokens, prompt_len=len(prompt_ids),
+            temperature=request.temperature, top_p=request.top_p, stop=request.stop, seed=request.seed,
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0, ignore_eos=request.ignore_eos,
+            stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output)
+        n = request.n or 1
+        if n < 1:
+            raise EngineRequestError("n must be at least 1.", param="n")
+        if request.stream:
+            return self._stream(request, prompt_ids, params, n)
+        version, results = await self.engine.collect(prompt_ids, params, n)
+        choices = [self._choice(request, i, r) for i, r in enumerate(results)]
+        completion = sum(len(r.token_ids) for r in results)
+        return ChatCompletionResponse(
+            model=self.engine.settings.model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                            total_tokens=len(prompt_ids) + completion),
+            prompt_token_ids=prompt_ids if request.return_token_ids else None, policy_version=version)
+
+    def _tools_enabled(self, request: ChatCompletionRequest) -> bool:
+        return bool(request.tools) and request.tool_choice != "none"
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], tops) -> ChatCompletionLogProbs:
+        def entry(token_id: int, logprob: float) -> ChatCompletionLogProb:
+            text = self.engine.token_text(token_id)
+            return ChatCompletionLogProb(token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode()))
+
+        content = []
+        for token_id, logprob, top in zip(token_ids, logprobs, tops):
+            main = entry(token_id, logprob)
+            content.append(ChatCompletionLogProbsContent(
+                **main.model_dump(), top_logprobs=[entry(t, lp) for t, lp in top]))
+        return ChatCompletionLogProbs(content=content)
+
+    def _choice(self, request: ChatCompletionRequest, index: int, result: ChoiceResult
+                ) -> ChatCompletionResponseChoice:
+        finish = result.finish_reason
+        message = ChatMessage(role="assistant", content=result.text)
+        if self._tools_enabled(request):
+            parsed = parse_tool_calls(result.text)
+            if parsed.tool_calls:
+                message = ChatMessage(role="assistant", content=parsed.content, tool_calls=[
+                    ToolCall(id=random_id("chatcmpl-tool"), function=FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in parsed.tool_calls])
+                finish = "tool_calls"
+        return ChatCompletionResponseChoice(
+            index=index, message=message, finish_reason=finish, stop_reason=result.stop_reason,
+            logprobs=self._logprobs(result.token_ids, result.logprobs, result.tops) if request.logprobs else None,
+            token_ids=result.token_ids if request.return_token_ids else None)
+
+    async def _stream(self, request: ChatCompletionRequest, prompt_ids: list[int], params, n: int
+                      ) -> AsyncIterator[str]:
+        response_id, model = random_id("chatcmpl"), self.engine.settings.model_name
+        created = ChatCompletionResponse(model=model, choices=[], usage=UsageInfo()).created
+        version = self.engine.policy_version
+        states = [_StreamState() for _ in range(n)]
+
+        def chunk(choices, **extra) -> str:
+            body = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
+                                                model=model, choices=choices, policy_version=version, **extra)
+            return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
+
+        async for event in self.engine.generate(prompt_ids, params, n):
+            if isinstance(event, Admitted):
+                version = event.policy_version
+                for i in range(n):
+                    first = ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                        finish_reason=None)
+                    yield chunk([first], prompt_token_ids=prompt_ids if request.return_token_ids else None)
+            elif isinstance(event, TokenEvent):
+                yield chunk([self._stream_choice(request, event, states[event.choice])])
+            elif isinstance(event, Failed):
+                error = {"error": {"message": event.message, "type": "InternalServerError", "code": 500}}
+                yield f"data: {json.dumps(error)}\n\n"
+                break
+        else:
+            if request.stream_options and request.stream_options.include_usage:
+                completion = sum(s.tokens for s in states)
+                usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                                  total_tokens=len(prompt_ids) + completion)
+                yield chunk([], usage=usage)
+        yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, request: ChatCompletionRequest, event: TokenEvent, state: _StreamState
+                       ) -> ChatCompletionResponseStreamChoice:
+        state.tokens += 1
+        state.text += event.text
+        delta = DeltaMessage()
+        finish = event.finish_reason
+        if not self._tools_enabled(request):
+            delta = DeltaMessage(content=event.text)
+        elif not state.in_tool_call:
+            cut = state.text.find(TOOL_CALL_START)
+            state.in_tool_call = cut >= 0
+            end = cut if cut >= 0 else len(state.text)
+            delta = DeltaMessage(content=state.text[state.sent:end])
+            state.sent = end
+        if finish is not None and state.in_tool_call:
+            parsed = parse_tool_calls(state.text)
+            if parsed.tool_calls:
+                calls = [DeltaToolCall(index=k, id=random_id("chatcmpl-tool"), type="function",
+                                       function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                         for k, c in enumerate(parsed.tool_calls)]
+                delta = DeltaMessage(tool_calls=calls)
+                finish = "tool_calls"
+            else:
+                delta = DeltaMessage(content=state.text[state.sent:])
+        fields = dict(index=event.choice, delta=delta, finish_reason=finish,
+                      logprobs=(self._logprobs([event.token_id], [event.logprob], [event.top])
+                                if request.logprobs else None),
+                      token_ids=[event.token_id] if request.return_token_ids else None)
+        if finish is not None:
+            fields["stop_reason"] = event.stop_reason
+        return ChatCompletionResponseStreamChoice(**fields)

@@ -1,0 +1,25 @@
+"""Settings of one local rollout engine process, built once at the entry point and passed down."""
+
+from dataclasses import dataclass
+
+from forge_stream.engine.sampling import LogprobsMode
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """`model` is a HuggingFace causal-LM directory; it is also the served model name unless one is given."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8100
+    policy_version: int = 0
+    max_batch_size: int = 32
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    logprobs_mode: LogprobsMode = "raw"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,42 @@
+import math
+
+import torch
+
+from forge_stream.engine.sampling import SamplingParams, _top_p_filter, choose, make_generator
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(_top_p_filter(logits, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    assert torch.isfinite(_top_p_filter(logits, 0.01)).tolist() == [True, False, False, False]
+
+
+def test_greedy_picks_argmax_and_reports_raw_logprob():
+    logits = torch.tensor([0.1, 2.0, -1.0])
+    picked = choose(logits, SamplingParams(max_tokens=1, temperature=0.0, top_logprobs=2), make_generator(0, 0))
+    assert picked.token_id == 1
+    assert math.isclose(picked.logprob, torch.log_softmax(logits, -1)[1].item(), rel_tol=1e-6)
+    assert [t for t, _ in picked.top] == [1, 0]
+
+
+def test_seeded_sampling_is_reproducible_and_choices_differ():
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=7)
+
+    def draw(choice_index):
+        gen = make_generator(params.seed, choice_index)
+        return [choose(logits, params, gen).token_id for _ in range(20)]
+
+    assert draw(0) == draw(0)
+    assert draw(0) != draw(1)
+
+
+def test_raw_logprobs_ignore_temperature_processed_ones_do_not():
+    logits = torch.tensor([1.0, 0.5, 0.0])
+    params = SamplingParams(max_tokens=1, temperature=0.5, seed=1)
+    raw = choose(logits, params, make_generator(1, 0), "raw")
+    processed = choose(logits, params, make_generator(1, 0), "processed")
+    assert raw.token_id == processed.token_id
+    assert math.isclose(raw.logprob, torch.log_softmax(logits, -1)[raw.token_id].item(), rel_tol=1e-6)
+    assert math.isclose(processed.logprob, torch.log_softmax(logits / 0.5, -1)[raw.token_id].item(), rel_tol=1e-6)
