@@ -1,0 +1,111 @@
+"""Benchmark: push N synthetic groups through a processors worker and time them to their samples.
+
+Starts the topology as a worker process (its own app id, reading from the latest offsets), waits until a probe
+group comes out of it, then produces the N groups as fast as the producer goes and reads forge.samples.
+Reports groups per second (first event sent to last sample read) and the latency from a group's last event
+(acknowledged by Kafka) to its sample on forge.samples.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+from forge_stream.events import decode, now_ms
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors.synthetic import group_events
+from forge_stream.topics import TOPICS
+
+SCHEMA_TOPIC = {"Task": TOPICS.tasks, "SessionStarted": TOPICS.sessions, "SessionFinished": TOPICS.sessions,
+                "Completion": TOPICS.completions, "ToolSpan": TOPICS.tool_spans, "Reward": TOPICS.rewards}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class _Samples:
+    """Reads forge.samples from its end offsets; remembers when each group's sample first arrived."""
+
+    def __init__(self, bootstrap: str):
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+                                  "enable.auto.commit": False})
+        self.consumer.assign([TopicPartition(TOPICS.samples.name, p, OFFSET_END)
+                              for p in range(TOPICS.samples.partitions)])
+        self.arrived: dict[str, float] = {}
+
+    def wait_for(self, group_ids: set[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not group_ids <= self.arrived.keys() and time.monotonic() < deadline:
+            msg = self.consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            self.arrived.setdefault(decode(msg.value())[1]["group_id"], time.time())
+        return group_ids <= self.arrived.keys()
+
+
+def _produce(producer: EventProducer, group_id: str, seq: int, group_size: int, turns: int,
+             acked: dict[str, float], lock: threading.Lock) -> None:
+    events = group_events(group_id, seq=seq, group_size=group_size, turns=turns, start_ms=now_ms())
+    for i, (schema, record) in enumerate(events):
+        last = i == len(events) - 1
+
+        def done(err, msg, last=last):
+            if last and err is None:
+                with lock:
+                    acked[group_id] = time.time()
+        producer.produce(SCHEMA_TOPIC[schema], group_id, record, schema, on_delivery=done)
+
+
+def run(bootstrap: str, groups: int = 200, group_size: int = 4, turns: int = 3, timeout_s: float = 300.0) -> dict:
+    run_id = uuid.uuid4().hex[:8]
+    samples = _Samples(bootstrap)
+    producer = EventProducer(bootstrap)
+    acked: dict[str, float] = {}
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory() as data_dir:
+        log = open(Path(data_dir) / "worker.log", "wb")
+        worker = subprocess.Popen(
+            [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
+             "-b", bootstrap, "--data-dir", data_dir, "--app-id", f"bench-processors-{run_id}",
+             "--offset-reset", "latest", "-l", "warning"],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for probe in range(60):  # until the worker has its partitions and a group comes through
+                gid = f"bench-{run_id}-probe{probe}"
+                _produce(producer, gid, -1, group_size, turns, acked, lock)
+                producer.flush()
+                if samples.wait_for({gid}, 3.0):
+                    break
+            else:
+                raise RuntimeError("the processors worker produced no sample for a minute; see its log")
+            ids = [f"bench-{run_id}-{i}" for i in range(groups)]
+            start = time.time()
+            for seq, gid in enumerate(ids):
+                _produce(producer, gid, seq, group_size, turns, acked, lock)
+            producer.flush()
+            if not samples.wait_for(set(ids), timeout_s):
+                raise RuntimeError(f"only {len(set(ids) & samples.arrived.keys())}/{groups} samples arrived")
+        finally:
+            worker.terminate()
+            worker.wait(30)
+            producer.close()
+            samples.consumer.close()
+    latencies = [(samples.arrived[g] - acked[g]) * 1000 for g in ids]
+    elapsed = max(samples.arrived[g] for g in ids) - start
+    return {
+        "groups": groups, "group_size": group_size, "turns": turns,
+        "groups_per_s": groups / elapsed, "elapsed_s": elapsed,
+        "latency_p50_ms": _percentile(latencies, 0.5), "latency_p99_ms": _percentile(latencies, 0.99),
+        "latency_max_ms": max(latencies),
+    }

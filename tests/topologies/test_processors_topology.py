@@ -1,0 +1,167 @@
+"""The processors topology on the real broker: samples and rewards equal the pure functions' results, bad
+records go to forge.dlq, a timed-out group closes with what finished, and a SIGKILLed worker restarted from
+its changelog still yields exactly one sample per group, with the same content."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer
+
+from forge_stream.events import decode, encode, now_ms
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors import ProcessorSettings, expire, fold
+from forge_stream.processors.synthetic import group_events
+from forge_stream.topics import TOPICS
+
+pytestmark = pytest.mark.kafka
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA_TOPIC = {"Task": TOPICS.tasks, "SessionStarted": TOPICS.sessions, "SessionFinished": TOPICS.sessions,
+                "Completion": TOPICS.completions, "ToolSpan": TOPICS.tool_spans, "Reward": TOPICS.rewards}
+
+
+def start_worker(bootstrap: str, app_id: str, data_dir: Path, timeout_s: float) -> subprocess.Popen:
+    log = open(data_dir.parent / f"{app_id}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
+         "-b", bootstrap, "--data-dir", str(data_dir), "--app-id", app_id,
+         "--group-timeout-s", str(timeout_s), "--tick-s", "0.5"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def produce(bootstrap: str, events: list[tuple[str, dict]]) -> None:
+    producer = EventProducer(bootstrap)
+    for schema, record in events:
+        producer.produce(SCHEMA_TOPIC[schema], record["group_id"], record, schema)
+    producer.close()
+
+
+def wire(schema: str, record: dict) -> dict:
+    """The record as a consumer reads it (Avro floats are 32-bit)."""
+    return decode(encode(schema, record))[1]
+
+
+def expected(events, settings: ProcessorSettings, timeout_at: int | None = None) -> list:
+    state, outputs = None, []
+    for schema, record in events:
+        state, out = fold(state, schema, wire(schema, record), settings)
+        outputs.extend(out)
+    if timeout_at is not None:
+        outputs.extend(expire(state, timeout_at, settings)[1])
+    return [(e.topic.name, e.schema, wire(e.schema, e.record)) for e in outputs]
+
+
+class Reader:
+    """Reads our run's records (by group id prefix) from output topics; keeps every copy it sees."""
+
+    def __init__(self, bootstrap: str, run_id: str):
+        self.run_id = run_id
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{run_id}",
+                                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        self.consumer.subscribe([TOPICS.samples.name, TOPICS.rewards.name, TOPICS.trajectories.name,
+                                 TOPICS.dlq.name])
+        self.seen: list[tuple[str, str, dict]] = []
+
+    def poll_until(self, done, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done(self) and time.monotonic() < deadline:
+            msg = self.consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            try:
+                schema, record = decode(msg.value())
+            except ValueError:
+                continue
+            mine = record.get("group_id", "").startswith(self.run_id) or (
+                schema == "DeadLetter" and (record["key"] or b"").decode(errors="replace").startswith(self.run_id))
+            if mine and (schema != "Reward" or record["source"] == "processors"):
+                self.seen.append((msg.topic(), schema, record))
+        assert done(self), f"timed out; saw {len(self.seen)} records"
+
+    def of(self, schema: str) -> list[dict]:
+        return [r for _, s, r in self.seen if s == schema]
+
+    def unique(self, schema: str) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for record in self.of(schema):
+            assert out.setdefault(record["event_id"], record) == record, "same id, different content"
+        return out
+
+
+def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
+    settings = ProcessorSettings(group_timeout_ms=15_000)
+    t0 = now_ms()
+    groups = {f"{run_id}-g{i}": group_events(f"{run_id}-g{i}", seq=i, group_size=3, start_ms=t0) for i in range(3)}
+    late = f"{run_id}-g1-s2"  # this session never finishes: its group closes on the timeout
+    groups[f"{run_id}-g1"] = [e for e in groups[f"{run_id}-g1"]
+                              if not (e[0] == "SessionFinished" and e[1]["session_id"] == late)]
+    events = [e for evs in groups.values() for e in evs]
+    bad = events[5][1]
+    produce(kafka_bootstrap, events)
+    producer = EventProducer(kafka_bootstrap)
+    producer.produce_raw(TOPICS.completions.name, bad["group_id"].encode(), b"not avro")
+    producer.produce(TOPICS.completions, bad["group_id"], {**next(r for s, r in events if s == "Completion"
+                                                                  and r["trainable"]),
+                                                           "completion_logprobs": [0.0]})
+    producer.close()
+
+    want = []
+    for gid, evs in groups.items():
+        first = min(r["event_time"] for _, r in evs)
+        want += expected(evs, settings, timeout_at=first + settings.group_timeout_ms if gid.endswith("g1") else None)
+    want_ids = {r["event_id"] for _, _, r in want}
+
+    worker = start_worker(kafka_bootstrap, f"proc-{run_id}", tmp_path / "worker", settings.group_timeout_ms / 1000)
+    try:
+        reader = Reader(kafka_bootstrap, run_id)
+        reader.poll_until(lambda r: want_ids <= {rec["event_id"] for _, _, rec in r.seen} and len(r.of("DeadLetter")) >= 2)
+    finally:
+        worker.kill()
+        worker.wait()
+
+    samples = reader.unique("TrainSample")
+    assert sorted(samples.values(), key=lambda r: r["group_id"]) == [r for _, s, r in want if s == "TrainSample"]
+    assert [s["group_complete"] for s in sorted(samples.values(), key=lambda r: r["group_id"])] == [True, False, True]
+    assert reader.unique("Reward") == {r["event_id"]: r for _, s, r in want if s == "Reward"}
+    assert reader.unique("Trajectory") == {r["event_id"]: r for _, s, r in want if s == "Trajectory"}
+    dead = reader.of("DeadLetter")
+    assert {d["value"] for d in dead if d["value"] == b"not avro"} == {b"not avro"}
+    assert any("logprobs" in d["error"] for d in dead)
+    assert all(d["rejected_by"] == "processors.groups" and d["topic"] == TOPICS.completions.name for d in dead)
+
+
+def test_sigkill_and_restart_yield_one_identical_sample_per_group(kafka_bootstrap, run_id, tmp_path):
+    settings = ProcessorSettings(group_timeout_ms=600_000)
+    t0 = now_ms()
+    groups = {f"{run_id}-k{i}": group_events(f"{run_id}-k{i}", seq=i, group_size=3, turns=3, start_ms=t0)
+              for i in range(6)}
+    early = [e for i, evs in enumerate(groups.values()) for e in (evs if i < 3 else evs[: len(evs) // 2])]
+    rest = [e for i, evs in enumerate(groups.values()) if i >= 3 for e in evs[len(evs) // 2:]]
+    produce(kafka_bootstrap, early)
+    app_id, data_dir = f"proc-kill-{run_id}", tmp_path / "worker"
+    reader = Reader(kafka_bootstrap, run_id)
+
+    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
+    try:
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) >= 1)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    produce(kafka_bootstrap, rest)
+    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
+    try:
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) == 6)
+    finally:
+        worker.kill()
+        worker.wait()
+
+    samples = reader.unique("TrainSample")  # asserts that every copy of an id has the same content
+    assert sorted(s["group_id"] for s in samples.values()) == sorted(groups)
+    want = {r["group_id"]: r for evs in groups.values() for _, s, r in expected(evs, settings) if s == "TrainSample"}
+    assert {s["group_id"]: s for s in samples.values()} == want
