@@ -2,8 +2,9 @@
 
 It is an LLM that returns scripted text over a byte-level tokenizer (token id = UTF-8 byte, EOS = 256), so the
 ids it reports decode back to exactly the text it sent. The prompt is rendered as `<|role|>content\\n` per
-message (tools as JSON first) followed by `<|assistant|>`. A reply of the form `<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>` is answered as a tool call (finish_reason "tool_calls"). The logprob of token t
+message (tools as JSON first) followed by `<|assistant|>`. Replies cycle through `replies`, except that a request
+with tools whose last message is not a tool result gets `tool_call` (if set), a `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` text answered as a tool call (finish_reason "tool_calls"). The logprob of token t
 is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
 each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
 `stop_reason`; plus `policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids.
@@ -62,6 +63,7 @@ class ScriptedEngine:
     replies: tuple[str, ...] = ("Hello from the scripted engine.",)
     token_ids: bool = True
     policy_version: int = 0
+    tool_call: str | None = None
 
     def __post_init__(self):
         self._script = itertools.cycle(self.replies)
@@ -69,8 +71,10 @@ class ScriptedEngine:
     def _outputs(self, body: dict, n: int) -> list[tuple[str, list[int], str]]:
         out = []
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 1 << 30
+        messages = body.get("messages") or [{}]
+        call = self.tool_call if body.get("tools") and messages[-1].get("role") != "tool" else None
         for _ in range(n):
-            text = next(self._script)
+            text = call or next(self._script)
             ids = (encode(text) + [EOS])[:limit]
             finish = "stop" if len(ids) == len(encode(text)) + 1 else "length"
             out.append((decode(ids), ids, finish))
@@ -200,12 +204,14 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--reply", action="append", default=None)
+    parser.add_argument("--tool-call", default=None)
     parser.add_argument("--no-token-ids", action="store_true")
     parser.add_argument("--policy-version", type=int, default=0)
     args = parser.parse_args()
     import uvicorn
 
-    engine = ScriptedEngine(tuple(args.reply or ScriptedEngine.replies), not args.no_token_ids, args.policy_version)
+    engine = ScriptedEngine(tuple(args.reply or ScriptedEngine.replies), not args.no_token_ids, args.policy_version,
+                            args.tool_call)
     uvicorn.run(engine, host=args.host, port=args.port, log_level="warning", access_log=False,
                 loop="auto", http="auto", lifespan="on")
 

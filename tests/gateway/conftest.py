@@ -48,9 +48,9 @@ def serving(app) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def scripted_url() -> Iterator[str]:
-    """A scripted engine: plain text replies, then a tool call, alternately."""
-    replies = ("Hello there, agent.", '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>')
-    with serving(ScriptedEngine(replies, policy_version=7)) as url:
+    """A scripted engine: answers a tool call to requests with tools (unless answering a tool result), else text."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>'
+    with serving(ScriptedEngine(("Hello there, agent.",), policy_version=7, tool_call=call)) as url:
         yield url
 
 

@@ -53,15 +53,13 @@ def _chat(url, messages, **extra):
 
 
 def _tool_turn(gateway_url, run_id, result_content):
-    """Turn 0 answers text, turn 1 a tool call, turn 2 carries the tool result: returns (session, call, spans)."""
+    """Turn 0 answers a tool call; returns the session, the call, and turn 1's messages carrying its result."""
     session = open_session(gateway_url, run_id)
     url = session["base_url"]
     messages = list(TOOL_MESSAGES)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     first = _chat(url, messages, tools=tools)
-    if first["choices"][0]["finish_reason"] != "tool_calls":
-        messages += [first["choices"][0]["message"], {"role": "user", "content": "Use the tool."}]
-        first = _chat(url, messages, tools=tools)
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
     call = first["choices"][0]["message"]["tool_calls"][0]
     messages += [first["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"],
                                                    "content": result_content}]
