@@ -2,7 +2,7 @@
 
 import typer
 
-from forge_stream.cli import bench, engine, model, schemas, topics, up
+from forge_stream.cli import bench, engine, gateway, model, schemas, topics, up
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -11,6 +11,7 @@ app.command("status")(up.status)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(bench.app, name="bench")
+app.add_typer(gateway.app, name="gateway")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
 

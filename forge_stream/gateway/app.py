@@ -7,7 +7,7 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -37,10 +37,9 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
         producer = None
         if sink is None:
             producer = EventProducer(settings.bootstrap, **{"message.timeout.ms": settings.ack_timeout_ms})
-        limits = httpx.Limits(max_connections=settings.engine_connections,
-                              max_keepalive_connections=settings.engine_connections)
-        timeout = httpx.Timeout(settings.engine_timeout_s, connect=5.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        connector = aiohttp.TCPConnector(limit=settings.engine_connections)
+        timeout = aiohttp.ClientTimeout(total=settings.engine_timeout_s, connect=5.0)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as http:
             app.state.gateway = GatewayService(settings, sink or producer, http)
             try:
                 yield

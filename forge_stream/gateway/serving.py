@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol
 
-import httpx
+import aiohttp
 import orjson
 
 from forge_stream.events import new_event_id, now_ms
@@ -85,7 +85,7 @@ def _sse_data(event: bytes) -> bytes | None:
 
 
 class GatewayService:
-    def __init__(self, settings: GatewaySettings, sink: EventSink, http: httpx.AsyncClient):
+    def __init__(self, settings: GatewaySettings, sink: EventSink, http: aiohttp.ClientSession):
         self.settings = settings
         self.sink = sink
         self.http = http
@@ -176,31 +176,41 @@ class GatewayService:
 
     # ----- engines ---------------------------------------------------------------------------------------
 
-    async def _send(self, group_id: str, method: str, path: str, payload: bytes | None,
-                    stream: bool) -> tuple[httpx.Response, Engine]:
+    async def _send(self, group_id: str, method: str, path: str,
+                    payload: bytes | None) -> tuple[aiohttp.ClientResponse, Engine]:
         """Send to the group's engine (another one if it refuses connections); the engine's in-flight count is
-        raised, and the caller lowers it when the response is done."""
+        raised, and the caller lowers it (and releases the response) when the response is done."""
         failures = []
         for engine in self.pool.order(group_id):
             engine.in_flight += 1
             try:
-                request = self.http.build_request(method, engine.url + path, content=payload,
-                                                  headers=_JSON if payload is not None else None)
-                return await self.http.send(request, stream=stream), engine
-            except httpx.ConnectError as exc:
+                response = await self.http.request(method, engine.url + path, data=payload,
+                                                   headers=_JSON if payload is not None else None)
+                return response, engine
+            except aiohttp.ClientConnectorError as exc:
                 engine.in_flight -= 1
-                failures.append(f"{engine.url}: {exc or type(exc).__name__}")
-            except httpx.TransportError as exc:
+                failures.append(f"{engine.url}: {exc}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 engine.in_flight -= 1
                 raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
         raise self.unavailable("No engine is reachable: " + "; ".join(failures))
 
+    async def _read(self, response: aiohttp.ClientResponse, engine: Engine) -> bytes:
+        """The whole body of a response from `engine`; 503 if the engine breaks off."""
+        try:
+            return await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            response.release()
+            engine.in_flight -= 1
+
     async def models(self) -> bytes:
-        response, engine = await self._send("", "GET", "/v1/models", None, stream=False)
-        engine.in_flight -= 1
-        if response.status_code != 200:
-            raise GatewayError(response.status_code, "engine error", "engine_error", raw=response.content)
-        return response.content
+        response, engine = await self._send("", "GET", "/v1/models", None)
+        content = await self._read(response, engine)
+        if response.status != 200:
+            raise GatewayError(response.status, "engine error", "engine_error", raw=content)
+        return content
 
     # ----- completions -----------------------------------------------------------------------------------
 
@@ -219,26 +229,20 @@ class GatewayService:
             agent=agent, received_ms=received, kind=kind,
             messages_json=dumps(body["messages"] if kind == "chat" else body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None)
+        stream = bool(body.get("stream"))
         try:
-            response, engine = await self._send(keys.group_id, "POST", PATHS[kind], upstream_body(kind, body),
-                                                stream=bool(body.get("stream")))
+            response, engine = await self._send(keys.group_id, "POST", PATHS[kind], upstream_body(kind, body))
+            if not stream or response.status != 200:
+                content = await self._read(response, engine)
+                if response.status != 200:
+                    raise GatewayError(response.status, "engine error", "engine_error", raw=content)
         except BaseException:
             session.restore(taken)
             raise
-        if body.get("stream"):
-            if response.status_code != 200:
-                content = await response.aread()
-                await response.aclose()
-                engine.in_flight -= 1
-                session.restore(taken)
-                raise GatewayError(response.status_code, "engine error", "engine_error", raw=content)
+        if stream:
             return self._relay(session, ctx, response, engine, n, spans, taken)
-        engine.in_flight -= 1
-        if response.status_code != 200:
-            session.restore(taken)
-            raise GatewayError(response.status_code, "engine error", "engine_error", raw=response.content)
         done = now_ms()
-        data = orjson.loads(response.content)
+        data = orjson.loads(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
         try:
             await self._record(session, ctx, choices, engine, data.get("model") or body.get("model") or "",
@@ -246,7 +250,7 @@ class GatewayService:
         except BaseException:
             session.restore(taken)
             raise
-        return response.content
+        return content
 
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
@@ -269,13 +273,13 @@ class GatewayService:
             session.add_pending(pending_calls(choice.tool_calls, issued_ms=done,
                                               completion_id=record["completion_id"], agent=ctx.agent))
 
-    async def _relay(self, session: Session, ctx: RequestContext, response: httpx.Response, engine: Engine, n: int,
-                     spans: list[dict], taken: list[PendingCall]) -> AsyncIterator[bytes]:
+    async def _relay(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
+                     engine: Engine, n: int, spans: list[dict], taken: list[PendingCall]) -> AsyncIterator[bytes]:
         """Forward the engine's SSE events as they come; record, then send [DONE] (or an error event)."""
         acc = StreamAccumulator(ctx.kind, n)
         buffer, done, engine_error = b"", False, False
         try:
-            async for raw in response.aiter_raw():
+            async for raw in response.content.iter_any():
                 buffer += raw
                 while not done and (cut := buffer.find(b"\n\n")) >= 0:
                     event, buffer = buffer[:cut + 2], buffer[cut + 2:]
@@ -292,8 +296,10 @@ class GatewayService:
                     yield event
                 if done:
                     break
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            done = False
         finally:
-            await response.aclose()
+            response.release()
             engine.in_flight -= 1
             if not done or engine_error:
                 session.restore(taken)
