@@ -36,7 +36,8 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
     async def lifespan(app: FastAPI):
         producer = None
         if sink is None:
-            producer = EventProducer(settings.bootstrap, **{"message.timeout.ms": settings.ack_timeout_ms})
+            producer = EventProducer(settings.bootstrap, **{"message.timeout.ms": settings.ack_timeout_ms,
+                                                            "linger.ms": settings.linger_ms})
         connector = aiohttp.TCPConnector(limit=settings.engine_connections)
         timeout = aiohttp.ClientTimeout(total=settings.engine_timeout_s, connect=5.0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as http:

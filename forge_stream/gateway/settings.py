@@ -24,6 +24,7 @@ class GatewaySettings:
     engine_connections: int = 512
     max_queue: int = 32  # in-flight requests on a group's engine before its requests go elsewhere
     ack_timeout_ms: int = 10_000  # Kafka delivery timeout; past it the caller gets 503 and nothing is recorded
+    linger_ms: float = 2.0  # producer batching: more acks per Kafka request vs latency at low load
     retry_after_s: int = 2
     default_policy_version: int = 0  # for engines (vLLM) whose responses carry no policy_version
 
