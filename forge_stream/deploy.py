@@ -55,9 +55,30 @@ def registry_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
+def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    port = opts.get("port", settings.engine_port)
+    return ServiceSpec.python(
+        "engine", "forge_stream.engine", "serve", "--model", str(opts.get("model", settings.model_dir)),
+        "--port", str(port), "--bootstrap-servers", settings.bootstrap,
+        "--max-batch-size", str(opts.get("max_batch_size", 32)),
+        health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",
+    )
+
+
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
+    "engine": engine_service,
 }
+
+
+def ensure_model(settings: ForgeSettings, echo=print) -> None:
+    """The embedded default trains a tiny model built here (nothing is downloaded)."""
+    if (settings.model_dir / "config.json").exists():
+        return
+    from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+
+    echo(f"Writing the tiny demo model to {settings.model_dir}...")
+    init_tiny_model(settings.model_dir, TinyModelSpec(seed=0))
 
 
 def local_broker(settings: ForgeSettings) -> LocalBroker:
@@ -72,6 +93,8 @@ def up(settings: ForgeSettings, topology: Topology, echo=print) -> dict:
         local_broker(settings).start(echo)
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
     topics = create_topics(settings.bootstrap)
+    if "engine" in topology.services and "model" not in topology.options["engine"]:
+        ensure_model(settings, echo)
     supervisor = Supervisor(settings.run_dir)
     started = {}
     for name in topology.services:

@@ -30,6 +30,15 @@ class ForgeSettings(BaseSettings):
         return self.home / "kafka"
 
     @property
+    def model_dir(self) -> Path:
+        """The initial policy for the embedded default (a tiny model `up` writes if missing)."""
+        return self.home / "model"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.home / "checkpoints"
+
+    @property
     def run_dir(self) -> Path:
         return self.home / "run"
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
 from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings
@@ -37,3 +41,24 @@ def kafka_bootstrap(tmp_path_factory) -> str:
 def run_id() -> str:
     """A unique id for this test's groups, sessions and consumer groups on the shared broker."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    init_tiny_model(out, TinyModelSpec(seed=0))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_v1(tmp_path_factory) -> Path:
+    """Same tokenizer and shapes, other weights: stands in for the next policy version."""
+    out = tmp_path_factory.mktemp("tiny_v1") / "model"
+    init_tiny_model(out, TinyModelSpec(seed=0))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+    return out

@@ -12,6 +12,14 @@ def emit(result: dict, as_json: bool) -> None:
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
+@app.command("codec")
+def codec(as_json: bool = typer.Option(False, "--json"), events: int = 200, seconds: float = 2.0) -> None:
+    """Avro (Confluent framing) vs JSON on Completion events with 4,096 + 512 token ids."""
+    from forge_stream.bench.codec import run
+
+    emit(run(events=events, seconds=seconds), as_json)
+
+
 @app.command("engine")
 def engine(
     requests: int = typer.Option(16, help="Concurrent requests in the batched run."),
@@ -36,3 +44,30 @@ def gateway(
     from forge_stream.bench.gateway import run
 
     emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers), as_json)
+
+
+@app.command("scheduler")
+def scheduler(
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+    seed: int = typer.Option(0, help="Seed of the rollout durations."),
+    tasks: int = typer.Option(8192, help="Tasks (groups) in the run."),
+    slots: int = typer.Option(256, help="Concurrent rollout slots C."),
+    buffer: int = typer.Option(-1, help="Bound on finished groups waiting beyond the slots; -1 = unbounded."),
+) -> None:
+    """Windowed FIFO vs strict FIFO, greedy and an AReaL-style bound, in a seeded event simulation."""
+    from forge_stream.bench import scheduler as bench
+
+    settings = bench.SimSettings(seed=seed, tasks=tasks, slots=slots, buffer=None if buffer < 0 else buffer)
+    emit(bench.run(settings), as_json)
+
+
+@app.command("prefix-tree")
+def prefix_tree(
+    as_json: bool = typer.Option(False, "--json", help="Print one compact JSON object."),
+    threads: int = typer.Option(2, help="torch CPU threads per measured step."),
+    quick: bool = typer.Option(False, help="Tiny model and workloads (a smoke run, not representative)."),
+) -> None:
+    """One training step tree-packed vs unshared on GRPO, multi-turn and long-horizon agent workloads."""
+    from forge_stream.bench import prefix_tree as bench
+
+    emit(bench.run(quick=quick, threads=threads), as_json)

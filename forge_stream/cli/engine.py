@@ -22,6 +22,9 @@ def serve(
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="torch dtype of the weights."),
     logprobs_mode: str = typer.Option("raw", help="raw: model logprobs (default, like vLLM); processed."),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
+                                          help="Follow forge.policy on this Kafka and load each new version."),
+    policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
     import uvicorn
@@ -34,4 +37,5 @@ def serve(
                               policy_version=policy_version, max_batch_size=max_batch_size,
                               max_model_len=max_model_len, dtype=dtype, device=device,
                               logprobs_mode=logprobs_mode)
-    uvicorn.run(create_app(EngineService.load(settings)), host=host, port=port, log_level="warning")
+    app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -5,6 +5,8 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `
 invalid requests are 400 (as vLLM), not FastAPI's 422.
 """
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from forge_stream.engine.policy_watch import watch_policy
 from forge_stream.engine.serving import EngineRequestError, EngineService
 from forge_stream.engine.serving_chat import ChatServing
 from forge_stream.engine.serving_completion import CompletionServing
@@ -69,15 +72,21 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def create_app(engine: EngineService) -> FastAPI:
-    """An app serving `engine`; the scheduler thread runs for the app's lifespan."""
+def create_app(engine: EngineService, policy_bootstrap: str | None = None, policy_run: str = "default") -> FastAPI:
+    """An app serving `engine`; the scheduler thread (and, with `policy_bootstrap`, a watcher of forge.policy
+    that loads each newer published version) runs for the app's lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        watcher = asyncio.create_task(watch_policy(engine, policy_bootstrap, policy_run)) if policy_bootstrap else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             engine.stop()
 
     app = FastAPI(title="forge-stream local rollout engine", lifespan=lifespan)

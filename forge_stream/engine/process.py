@@ -1,6 +1,5 @@
 """Start and stop a local engine as a separate server process (used by tests, the gateway's tests and `up`)."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -9,11 +8,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from forge_stream.kafka.broker import free_port
 
 
 @dataclass

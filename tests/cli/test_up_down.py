@@ -26,7 +26,8 @@ def test_up_status_down_up_keeps_data(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
     kafka, registry = free_port(), free_port()
     env.update(FORGE_HOME=str(tmp_path / "home"), FORGE_KAFKA_PORT=str(kafka),
-               FORGE_KAFKA_CONTROLLER_PORT=str(free_port()), FORGE_REGISTRY_PORT=str(registry))
+               FORGE_KAFKA_CONTROLLER_PORT=str(free_port()), FORGE_REGISTRY_PORT=str(registry),
+               FORGE_ENGINE_PORT=str(free_port()))
     try:
         up = json.loads(cli(env, "up", "--json"))
         bootstrap = up["bootstrap_servers"]
@@ -59,7 +60,7 @@ def test_up_status_down_up_keeps_data(tmp_path):
         assert status["services"]["registry"]["healthy"]
 
         down = json.loads(cli(env, "down", "--json"))
-        assert down["stopped_broker"] and down["stopped_services"] == ["registry"]
+        assert down["stopped_broker"] and set(down["stopped_services"]) == set(up["services"])
         assert not json.loads(subprocess.run([sys.executable, "-m", "forge_stream", "status", "--json"], env=env,
                                              capture_output=True, text=True).stdout)["reachable"]
 

@@ -1,34 +1,10 @@
-"""Fixtures of the engine tests: the tiny model (built once) and one engine server process."""
-
-from pathlib import Path
+"""Fixtures of the engine tests: its tokenizer and reference model, and one engine server process."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
-from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    init_tiny_model(out, TinyModelSpec(seed=0))
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir_v1(tmp_path_factory) -> Path:
-    """Same tokenizer and shapes, other weights: stands in for the next policy version."""
-    out = tmp_path_factory.mktemp("tiny_v1") / "model"
-    init_tiny_model(out, TinyModelSpec(seed=0))
-    model = AutoModelForCausalLM.from_pretrained(out)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")

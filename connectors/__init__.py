@@ -1,0 +1,1 @@
+"""Sinks and sources at the edge of forge-stream (analytics, offline storage)."""

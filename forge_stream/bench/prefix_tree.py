@@ -1,0 +1,202 @@
+"""`forge-stream bench prefix-tree`: one training step (forward + backward) tree-packed vs unshared, on CPU.
+
+Three workloads (token ids drawn from a seeded generator, so every run scores the same sequences):
+  (a) grpo: G completions of one long prompt;
+  (b) multi_turn: agent rollouts where every turn is its own sample, append-only history, context reset
+      every `reset_every` turns (the new context restarts from the task prompt plus a short summary);
+  (c) long_horizon: a long agent rollout, every turn its own sample, no reset (T/U >= 40).
+Tree step: `sequence_logprobs` over the packed tree (ancestor attention), loss = sum_i w_i * sum(lp_i) with
+random per-sequence weights, backward. Baseline: the same loss without sharing, as length-sorted right-padded
+batches under a padded-token budget, each batch's backward run before the next batch (gradient accumulation,
+the fastest way that keeps memory bounded). Each variant runs in its own spawned process: time of one step
+after a small warm-up, and peak RSS growth during the step (Linux VmHWM reset through /proc/self/clear_refs;
+gradient buffers already exist, so this is activation memory).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+import multiprocessing
+
+import torch
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    threads: int = 2
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    vocab_size: int = 4096
+    batch_tokens: int = 16384  # baseline padded tokens per batch
+    chunk_rows: int = 128  # tree attention query chunk
+    seed: int = 0
+    # (a) GRPO
+    grpo_prompt: int = 2048
+    grpo_group: int = 16
+    grpo_completion: tuple[int, int] = (64, 192)
+    # (b) multi-turn agent
+    mt_rollouts: int = 4
+    mt_prompt: int = 256
+    mt_turns: int = 16
+    mt_reset_every: int = 8
+    mt_observation: int = 32
+    mt_action: int = 64
+    mt_summary: int = 32
+    # (c) long-horizon agent
+    lh_rollouts: int = 1
+    lh_prompt: int = 128
+    lh_turns: int = 80
+    lh_observation: int = 6
+    lh_action: int = 10
+
+
+QUICK = BenchSettings(
+    hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, batch_tokens=4096, chunk_rows=64,
+    grpo_prompt=256, grpo_group=8, grpo_completion=(16, 48),
+    mt_rollouts=2, mt_prompt=64, mt_turns=8, mt_reset_every=4, mt_observation=8, mt_action=16, mt_summary=8,
+    lh_prompt=32, lh_turns=40, lh_observation=3, lh_action=5,
+)  # fmt: skip
+
+
+def _tokens(gen: torch.Generator, vocab: int, n: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def grpo_workload(s: BenchSettings, gen: torch.Generator) -> list[list[int]]:
+    prompt = _tokens(gen, s.vocab_size, s.grpo_prompt)
+    lo, hi = s.grpo_completion
+    return [prompt + _tokens(gen, s.vocab_size, int(torch.randint(lo, hi + 1, (1,), generator=gen))) for _ in range(s.grpo_group)]
+
+
+def agent_workload(
+    s: BenchSettings, gen: torch.Generator, *, rollouts: int, prompt_len: int, turns: int,
+    reset_every: int | None, observation: int, action: int, summary: int = 0,
+) -> list[list[int]]:
+    """One sample per turn: the turn's context (append-only since the last reset) plus its action."""
+    prompt = _tokens(gen, s.vocab_size, prompt_len)
+    samples = []
+    for _ in range(rollouts):
+        history = list(prompt)
+        for turn in range(turns):
+            if reset_every and turn and turn % reset_every == 0:
+                history = prompt + _tokens(gen, s.vocab_size, summary)
+            history = history + _tokens(gen, s.vocab_size, observation) + _tokens(gen, s.vocab_size, action)
+            samples.append(history)
+    return samples
+
+
+def workloads(s: BenchSettings) -> dict[str, list[list[int]]]:
+    gen = torch.Generator().manual_seed(s.seed)
+    return {
+        "grpo": grpo_workload(s, gen),
+        "multi_turn": agent_workload(
+            s, gen, rollouts=s.mt_rollouts, prompt_len=s.mt_prompt, turns=s.mt_turns, reset_every=s.mt_reset_every,
+            observation=s.mt_observation, action=s.mt_action, summary=s.mt_summary,
+        ),
+        "long_horizon": agent_workload(
+            s, gen, rollouts=s.lh_rollouts, prompt_len=s.lh_prompt, turns=s.lh_turns, reset_every=None,
+            observation=s.lh_observation, action=s.lh_action,
+        ),
+    }  # fmt: skip
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+    """Forward + backward of sum_i w_i * sum(lp_i) over the packed tree; returns the detached log-probs."""
+    from forge_stream.tree import pack, sequence_logprobs
+
+    lps = sequence_logprobs(model, pack(seqs), chunk_rows=s.chunk_rows)
+    sum(w * lp.sum() for w, lp in zip(weights, lps)).backward()
+    return [lp.detach() for lp in lps]
+
+
+def baseline_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
+    """The same loss without sharing: padded length-sorted batches, backward per batch."""
+    from forge_stream.tree.reference import length_batches, padded_batch_logprobs
+
+    out: list = [None] * len(seqs)
+    for batch in length_batches([len(x) for x in seqs], s.batch_tokens):
+        lps = padded_batch_logprobs(model, [seqs[i] for i in batch])
+        sum(weights[i] * lp.sum() for i, lp in zip(batch, lps)).backward()
+        for i, lp in zip(batch, lps):
+            out[i] = lp.detach()
+    return out
+
+
+def _measure(variant: str, name: str, s: BenchSettings) -> dict:
+    """Runs in a fresh process: build model + workload, warm up, then time one step and its peak RSS growth."""
+    from forge_stream.tree.reference import tiny_causal_lm
+
+    torch.set_num_threads(s.threads)
+    model = tiny_causal_lm(
+        "llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_layers=s.num_layers,
+        num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, seed=s.seed,
+    )  # fmt: skip
+    seqs = workloads(s)[name]
+    weights = torch.randn(len(seqs), generator=torch.Generator().manual_seed(s.seed + 1)).tolist()
+    step = tree_step if variant == "tree" else baseline_step
+    step(model, [x[:64] for x in seqs[:2]], weights, s)  # warm-up; also allocates the .grad buffers
+    model.zero_grad(set_to_none=False)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base_kb = _rss_kb("VmRSS:")
+    start = time.perf_counter()
+    lps = step(model, seqs, weights, s)
+    seconds = time.perf_counter() - start
+    peak_kb = _rss_kb("VmHWM:")
+    return {"seconds": seconds, "peak_mb": (peak_kb - base_kb) / 1024, "logprobs": torch.cat(lps)}
+
+
+def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: int | None = None) -> dict:
+    """Measure every workload tree vs baseline; one dict with a `workloads` list (see module docstring)."""
+    from forge_stream.tree import pack
+
+    s = settings or (QUICK if quick else BenchSettings())
+    if threads is not None:
+        s = replace(s, threads=threads)
+    results = []
+    ctx = multiprocessing.get_context("spawn")
+    for name, seqs in workloads(s).items():
+        tree = pack(seqs)
+        measured = {}
+        for variant in ("tree", "baseline"):
+            print(f"prefix-tree: {name} {variant} (T={tree.total_tokens}, U={tree.num_rows})", file=sys.stderr)
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                measured[variant] = pool.submit(_measure, variant, name, s).result()
+        t, b = measured["tree"], measured["baseline"]
+        ratio = tree.total_tokens / tree.num_rows
+        speedup = b["seconds"] / t["seconds"]
+        results.append(
+            {
+                "name": name,
+                "sequences": tree.num_sequences,
+                "T": tree.total_tokens,
+                "U": tree.num_rows,
+                "T_over_U": round(ratio, 3),
+                "tree_step_s": round(t["seconds"], 3),
+                "baseline_step_s": round(b["seconds"], 3),
+                "speedup": round(speedup, 3),
+                "speedup_over_T_over_U": round(speedup / ratio, 3),
+                "tree_peak_mb": round(t["peak_mb"], 1),
+                "baseline_peak_mb": round(b["peak_mb"], 1),
+                "max_logprob_diff": float((t["logprobs"] - b["logprobs"]).abs().max()),
+            }
+        )
+    return {
+        "benchmark": "prefix-tree",
+        "device": "cpu",
+        "settings": asdict(s),
+        "step": "forward + backward of sum_i w_i * sum_t logp_it, float32, Llama-style model (GQA)",
+        "workloads": results,
+    }

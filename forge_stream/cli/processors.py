@@ -1,0 +1,36 @@
+"""`forge-stream processors run`: the processors topology (faust worker) as a long-running process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from forge_stream.cli.options import BootstrapOption, settings
+
+app = typer.Typer(no_args_is_help=True, help="Stream processors: events -> trajectories, rewards, samples.")
+
+
+@app.command("run")
+def run(
+    bootstrap_servers: Optional[str] = BootstrapOption,
+    data_dir: Optional[Path] = typer.Option(None, help="Worker state directory (default: FORGE_HOME/processors)."),
+    app_id: str = typer.Option("forge-processors", help="Names the consumer group, changelog and internal topics."),
+    group_timeout_s: float = typer.Option(600.0, help="Close a group this long after its first event."),
+    gamma: float = typer.Option(1.0, help="Reward-to-go discount."),
+    tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
+    offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
+    loglevel: str = typer.Option("info", "--loglevel", "-l"),
+) -> None:
+    """Run the processors worker until stopped."""
+    from forge_stream.processors import ProcessorSettings
+    from topologies.processors import TopologyConfig, run_worker
+
+    forge = settings(bootstrap_servers)
+    config = TopologyConfig(
+        bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
+        processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma),
+        tick_s=tick_s, offset_reset=offset_reset,
+    )
+    run_worker(config, loglevel)

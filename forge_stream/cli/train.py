@@ -1,0 +1,60 @@
+"""`forge-stream train`: the trainer process (windowed FIFO consumer + tree-packed CISPO + policy publishing)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from forge_stream.cli.options import BootstrapOption, settings
+
+
+def parse_window(text: str):
+    """`0.3` (a fraction of the rollout slots or queue), `64` (a count) or `greedy`."""
+    from forge_stream.scheduler.window import WindowSpec
+
+    if text == "greedy":
+        return WindowSpec(greedy=True)
+    value = float(text)
+    if value >= 1 and value.is_integer():
+        return WindowSpec(count=int(value))
+    return WindowSpec(fraction=value)
+
+
+def train(
+    bootstrap_servers: Optional[str] = BootstrapOption,
+    model: Optional[Path] = typer.Option(None, help="Initial policy (HF directory); default: the tiny demo model."),
+    checkpoint_dir: Optional[Path] = typer.Option(None, help="Where checkpoints go (default: $FORGE_HOME/checkpoints)."),
+    run: str = typer.Option("default", help="Run name: names the consumer group and keys forge.train_metrics."),
+    steps: Optional[int] = typer.Option(None, help="Stop after this many steps (default: run until killed)."),
+    batch_size: int = typer.Option(8, help="Groups per optimizer step."),
+    window: str = typer.Option("0.3", help="Windowed FIFO: a fraction, a count, or 'greedy'."),
+    rollout_slots: Optional[int] = typer.Option(None, help="Basis of a fractional window (default: the queue)."),
+    group_timeout: float = typer.Option(600.0, help="Skip a group unfinished after this many seconds."),
+    max_staleness: Optional[int] = typer.Option(None, help="Bound on trainer version minus sample version."),
+    stale_action: str = typer.Option("keep", help="keep (and count) or drop (and record) samples over the bound."),
+    loss: str = typer.Option("cispo", help="cispo or ppo."),
+    lr: float = typer.Option(1e-5, help="AdamW learning rate."),
+    eps_high: float = typer.Option(4.0, help="Upper clip of the importance weight (CISPO: 1 + eps_high)."),
+    token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
+    wait_s: float = typer.Option(5.0, help="Train a partial batch after waiting this long for a full one."),
+    from_now: bool = typer.Option(False, help="A new run trains only on tasks submitted from now on."),
+) -> None:
+    """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
+    from forge_stream.scheduler.consumer import SchedulerSettings
+    from forge_stream.trainer.service import TrainerSettings, run_trainer
+    from forge_stream.trainer.step import StepConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = settings(bootstrap_servers)
+    scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
+                                  window=parse_window(window), rollout_slots=rollout_slots,
+                                  group_timeout_s=group_timeout, max_staleness=max_staleness,
+                                  stale_action=stale_action)
+    trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
+                              checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
+                              step=StepConfig(loss=loss, lr=lr, eps_high=eps_high, token_budget=token_budget),
+                              wait_s=wait_s, from_now=from_now)
+    run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True))

@@ -1,0 +1,60 @@
+"""The engine follows `forge.policy`: each newer PolicyVersion's checkpoint is loaded with `load_weights`.
+
+The watcher reads the topic from the beginning without a consumer group (every engine replica must see every
+version), skips to the newest version of each batch it reads, and never goes backwards; a version re-published
+with another checkpoint (a step the trainer re-ran after a crash) replaces the weights of that version. Requests in flight finish
+on the weights they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiokafka import AIOKafkaConsumer
+
+from forge_stream.events import DecodeError, decode
+from forge_stream.topics import TOPICS
+
+log = logging.getLogger(__name__)
+
+
+def newest(records: list[dict], current: int, current_path: str | None = None) -> dict | None:
+    """The PolicyVersion to load from a batch: the last-published record of the highest version, if it is
+    above `current`, or is `current` re-published with other weights (a trainer re-ran a step after a crash)."""
+    if not records:
+        return None
+    top = max(r["version"] for r in records)
+    latest = [r for r in records if r["version"] == top][-1]
+    if top > current or (top == current and latest["checkpoint_uri"] != current_path):
+        return latest
+    return None
+
+
+async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: int = 500) -> None:
+    """Run until cancelled, loading each newer policy version of training run `run` (the record key) into
+    `engine`; other runs' versions (a replay, an experiment) are ignored."""
+    consumer = AIOKafkaConsumer(TOPICS.policy.name, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        while True:
+            batches = await consumer.getmany(timeout_ms=poll_ms)
+            records = []
+            for messages in batches.values():
+                for message in messages:
+                    if message.key != run.encode():
+                        continue
+                    try:
+                        records.append(decode(message.value)[1])
+                    except DecodeError as exc:
+                        log.warning("skipping an undecodable forge.policy record at offset %s: %s",
+                                    message.offset, exc)
+            target = newest(records, engine.policy_version, engine.scheduler.current.path)
+            if target is not None:
+                result = await engine.load_weights(target["checkpoint_uri"], target["version"])
+                log.info("loaded policy version %s from %s in %.2fs", result.policy_version, result.path,
+                         result.load_seconds)
+    finally:
+        await consumer.stop()
+

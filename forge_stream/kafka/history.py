@@ -1,0 +1,75 @@
+"""Read a slice of a topic's history (between two timestamps, or from given offsets) without a consumer group.
+
+Used by `forge-stream replay` and by analytics jobs: partitions are `assign()`ed, offsets are looked up with
+`offsets_for_times`, nothing is ever committed, so live consumer groups are untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+from forge_stream.events import DecodeError, decode
+from forge_stream.kafka.consumer import Event
+from forge_stream.topics import Topic
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Which part of history: timestamps in epoch ms (inclusive start, exclusive end), or per-partition offsets."""
+
+    start_ms: int | None = None
+    end_ms: int | None = None
+    start_offsets: dict[int, int] | None = None
+    end_offsets: dict[int, int] | None = None
+
+
+def _bounds(consumer: Consumer, topic: Topic, where: Slice) -> dict[int, tuple[int, int]]:
+    bounds = {}
+    for p in range(topic.partitions):
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic.name, p), timeout=10)
+        start, end = low, high
+        if where.start_offsets is not None:
+            start = max(low, where.start_offsets.get(p, low))
+        elif where.start_ms is not None:
+            found = consumer.offsets_for_times([TopicPartition(topic.name, p, where.start_ms)], timeout=10)[0]
+            start = high if found.offset in (-1, OFFSET_END) else found.offset
+        if where.end_offsets is not None:
+            end = min(high, where.end_offsets.get(p, high))
+        elif where.end_ms is not None:
+            found = consumer.offsets_for_times([TopicPartition(topic.name, p, where.end_ms)], timeout=10)[0]
+            end = high if found.offset in (-1, OFFSET_END) else found.offset
+        if start < end:
+            bounds[p] = (start, end)
+    return bounds
+
+
+def read_slice(bootstrap: str, topic: Topic, where: Slice, errors: list | None = None) -> Iterator[Event]:
+    """Decoded events of `topic` in the slice, partition by partition; undecodable ones go to `errors`."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-history-reader",
+                         "enable.auto.commit": False, "log_level": 0})
+    try:
+        for partition, (start, end) in sorted(_bounds(consumer, topic, where).items()):
+            consumer.assign([TopicPartition(topic.name, partition, start)])
+            offset = start
+            while offset < end:
+                msg = consumer.poll(10)
+                if msg is None:
+                    raise TimeoutError(f"{topic.name}[{partition}] stopped at offset {offset} before {end}")
+                if msg.error():
+                    continue
+                offset = msg.offset() + 1
+                if msg.offset() >= end:
+                    break
+                try:
+                    schema, record = decode(msg.value() or b"")
+                except DecodeError as exc:
+                    if errors is not None:
+                        errors.append((partition, msg.offset(), str(exc)))
+                    continue
+                key = msg.key().decode(errors="replace") if msg.key() is not None else None
+                yield Event(topic.name, partition, msg.offset(), key, schema, record, msg.timestamp()[1])
+    finally:
+        consumer.close()

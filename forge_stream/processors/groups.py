@@ -1,0 +1,120 @@
+"""Group assembly: fold a rollout group's events into one JSON-ready state and decide when it is done.
+
+A group is one task instance (its Task event gives G, seq and domain) and its G sessions. State per group:
+
+    {"group_id", "partition", "task": Task | None, "first_ms", "last_ms",
+     "sessions": {session_id: {"started_ms": int | None, "finished": SessionFinished | None}},
+     "completions": {completion_id: Completion}, "spans": {span_id: ToolSpan},
+     "rewards": {event_id: Reward}, "closed": False}
+
+A session is *done* when its SessionFinished arrived, so did the `num_completions` completions it reports,
+and either an outcome Reward arrived for it or its status is not ok (a failed rollout needs no grade).
+ToolSpans have no such count: a span read after its group closed is ignored like any late event. The group is *complete* when its Task arrived and G
+sessions are done. Every event is stored under its own identity, so a redelivered event changes nothing.
+Rewards published by the processors themselves (source == settings.source) are not read back.
+
+After the group's sample is emitted its state shrinks to a closed marker (`closed_marker`): later and
+replayed events for it are ignored until the marker is forgotten (`forget_closed_ms` after closing).
+"""
+
+from __future__ import annotations
+
+from forge_stream.processors.settings import ProcessorSettings
+
+INPUT_SCHEMAS = ("Task", "SessionStarted", "SessionFinished", "Completion", "ToolSpan", "Reward")
+
+
+class InvalidEvent(ValueError):
+    """A decodable event that breaks a contract the processors rely on; it goes to the DLQ."""
+
+
+def new_group(group_id: str, partition: int | None = None) -> dict:
+    return {"group_id": group_id, "partition": partition, "task": None, "first_ms": None, "last_ms": None,
+            "sessions": {}, "completions": {}, "spans": {}, "rewards": {}, "closed": False}
+
+
+def validate(schema: str, record: dict) -> None:
+    """Raise InvalidEvent when a record cannot be used (it is routed to the DLQ instead)."""
+    if schema not in INPUT_SCHEMAS:
+        raise InvalidEvent(f"the processors do not read {schema} events")
+    if not record.get("group_id"):
+        raise InvalidEvent(f"{schema} {record.get('event_id')} has no group_id")
+    if schema == "Task" and record["group_size"] < 1:
+        raise InvalidEvent(f"Task {record['task_id']} has group_size {record['group_size']} (must be >= 1)")
+    if schema == "Completion" and record["trainable"]:
+        n, m = len(record["completion_token_ids"]), len(record["completion_logprobs"])
+        if n != m:
+            raise InvalidEvent(f"Completion {record['completion_id']}: {n} completion tokens but {m} logprobs")
+
+
+def apply(state: dict, schema: str, record: dict, settings: ProcessorSettings) -> dict:
+    """Fold one validated event into an open group's state (in place; returns it)."""
+    t = record["event_time"]
+    state["first_ms"] = t if state["first_ms"] is None else min(state["first_ms"], t)
+    state["last_ms"] = t if state["last_ms"] is None else max(state["last_ms"], t)
+    if schema == "Task":
+        state["task"] = record
+    elif schema in ("SessionStarted", "SessionFinished"):
+        session = _session(state, record["session_id"])
+        if schema == "SessionStarted":
+            session["started_ms"] = t
+        else:
+            session["finished"] = record
+    elif schema == "Completion":
+        _session(state, record["session_id"])
+        state["completions"][record["completion_id"]] = record
+    elif schema == "ToolSpan":
+        _session(state, record["session_id"])
+        state["spans"][record["span_id"]] = record
+    elif schema == "Reward" and record["source"] != settings.source:
+        if record.get("session_id"):
+            _session(state, record["session_id"])
+        state["rewards"][record["event_id"]] = record
+    return state
+
+
+def _session(state: dict, session_id: str) -> dict:
+    return state["sessions"].setdefault(session_id, {"started_ms": None, "finished": None})
+
+
+def outcome_rewards(state: dict) -> dict[str, list[dict]]:
+    """Grader outcome rewards per session (several graders add up)."""
+    out: dict[str, list[dict]] = {}
+    for reward in state["rewards"].values():
+        if reward["kind"] == "outcome" and reward.get("session_id"):
+            out.setdefault(reward["session_id"], []).append(reward)
+    return out
+
+
+def done_sessions(state: dict) -> list[str]:
+    """Sessions that finished, whose `num_completions` completions all arrived and that, if their status is
+    ok, have an outcome reward (sorted ids). Topics are consumed in no particular order relative to each
+    other, so a SessionFinished may be read before the session's last Completion."""
+    graded = outcome_rewards(state)
+    received: dict[str, int] = {}
+    for comp in state["completions"].values():
+        received[comp["session_id"]] = received.get(comp["session_id"], 0) + 1
+    return sorted(sid for sid, s in state["sessions"].items()
+                  if s["finished"] is not None and received.get(sid, 0) >= s["finished"]["num_completions"]
+                  and (sid in graded or s["finished"]["status"] != "ok"))
+
+
+def is_complete(state: dict) -> bool:
+    task = state["task"]
+    return task is not None and len(done_sessions(state)) >= task["group_size"]
+
+
+def deadline_ms(state: dict, settings: ProcessorSettings) -> int:
+    """When a still-open group times out: its first event's time plus the timeout (compared with wall time)."""
+    return state["first_ms"] + settings.group_timeout_ms
+
+
+def due(state: dict, now_ms: int, settings: ProcessorSettings) -> bool:
+    """Whether `expire` would change the state: an open group past its deadline, or a marker to forget."""
+    if state["closed"]:
+        return now_ms >= state["closed_ms"] + settings.forget_closed_ms
+    return now_ms >= deadline_ms(state, settings)
+
+
+def closed_marker(state: dict, closed_ms: int) -> dict:
+    return {"group_id": state["group_id"], "partition": state["partition"], "closed": True, "closed_ms": closed_ms}

@@ -1,0 +1,71 @@
+"""The TrainSample builder: a group's trainable completions packed into one prefix tree with per-row training data.
+
+The trie itself is `forge_stream.tree.pack`. Each trainable completion with at least one completion token is
+one sequence, prompt_token_ids + completion_token_ids, in (session_id, turn, completion_id) order, so the
+rows are the same whatever order the events arrived in. Per row:
+- row_loss_mask: the row is a completion token (at or past prompt_len on its path) of at least one sequence;
+- row_old_logprob: that token's rollout log-prob, from the first sequence (in sequence order) that trains it;
+- row_advantage: the sum of the advantages of the sequences that train the row.
+"""
+
+from __future__ import annotations
+
+from forge_stream.processors.rewards import Turn
+from forge_stream.tree import pack
+
+
+def trainable(completion: dict) -> bool:
+    return bool(completion["trainable"]) and len(completion["completion_token_ids"]) > 0
+
+
+def build_sample(turns: list[Turn], header: dict) -> dict | None:
+    """A TrainSample record (header: event_id, event_time, group_id, task_id, task_seq, domain, group_complete)
+    for the trainable turns, or None when there is none."""
+    turns = sorted((t for t in turns if trainable(t.completion)),
+                   key=lambda t: (t.completion["session_id"], t.completion["turn"], t.completion["completion_id"]))
+    if not turns:
+        return None
+    tree = pack([t.completion["prompt_token_ids"] + t.completion["completion_token_ids"] for t in turns])
+    rows = tree.num_rows
+    mask = [False] * rows
+    old_logprob = [0.0] * rows
+    advantage = [0.0] * rows
+    sequences = []
+    for turn, path, last in zip(turns, tree.paths, tree.last_row.tolist()):
+        comp = turn.completion
+        prompt_len = len(comp["prompt_token_ids"])
+        for row, logprob in zip(path[prompt_len:].tolist(), comp["completion_logprobs"]):
+            if not mask[row]:
+                mask[row], old_logprob[row] = True, logprob
+            advantage[row] += turn.advantage
+        sequences.append({
+            "completion_id": comp["completion_id"], "session_id": comp["session_id"], "turn": comp["turn"],
+            "last_row": last, "length": int(path.numel()), "prompt_len": prompt_len,
+            "old_logprobs": list(comp["completion_logprobs"]), "advantage": turn.advantage,
+            "reward": turn.reward, "policy_version": comp["policy_version"],
+        })
+    versions = [t.completion["policy_version"] for t in turns]
+    return {
+        **header,
+        "policy_version": min(versions), "policy_version_max": max(versions),
+        "total_tokens": tree.total_tokens, "unique_tokens": rows,
+        "token_ids": tree.token_ids.tolist(), "position_ids": tree.position_ids.tolist(),
+        "subtree_end": tree.subtree_end.tolist(), "parent_row": tree.parent_row.tolist(),
+        "row_loss_mask": mask, "row_old_logprob": old_logprob, "row_advantage": advantage,
+        "sequences": sequences,
+    }
+
+
+def sample_paths(sample: dict) -> list[list[int]]:
+    """Each sequence's rows, root first, walked up from its last_row through parent_row."""
+    parent = sample["parent_row"]
+    paths = []
+    for seq in sample["sequences"]:
+        path = [seq["last_row"]]
+        while parent[path[-1]] >= 0:
+            path.append(parent[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+__all__ = ["build_sample", "sample_paths", "trainable"]

@@ -1,0 +1,40 @@
+"""The processors' one frozen settings object: reward rules, discount, timeouts. Built at the entry point."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class RuleSpec(BaseModel):
+    """A process-reward rule: a plain function named by dotted path, and the weight its value is scaled by."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    weight: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+
+DEFAULT_RULES = (
+    RuleSpec(path="forge_stream.processors.rules.invalid_tool_call", weight=0.2),
+    RuleSpec(path="forge_stream.processors.rules.tool_error", weight=0.1),
+    RuleSpec(path="forge_stream.processors.rules.language_mixing", weight=0.1),
+)
+
+
+class ProcessorSettings(BaseModel):
+    """How a group becomes a training sample (DESIGN sections 5 and 8)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gamma: float = 1.0  # reward-to-go discount
+    rules: tuple[RuleSpec, ...] = DEFAULT_RULES
+    time_reward_weight: float = 0.1  # the time reward lies in [-weight, +weight]
+    success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this
+    missing_outcome_reward: float = 0.0  # outcome of a session that failed (status != ok) without a grade
+    group_timeout_ms: int = 600_000  # a group still open this long after its first event is closed
+    forget_closed_ms: int = 3_600_000  # how long a closed group's marker is kept (late events are ignored)
+    source: str = "processors"  # the `source` of the rewards we publish; such rewards are never re-read

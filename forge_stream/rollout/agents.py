@@ -1,0 +1,71 @@
+"""How an agent is launched for one session: a command line (any language) or a Python coroutine.
+
+The agent only learns an OpenAI base URL and key (OPENAI_BASE_URL, OPENAI_API_KEY) and its task (FORGE_TASK_JSON,
+also on stdin); whatever it prints on stdout is its output for the grader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    session_id: str
+    base_url: str
+    api_key: str
+    task: dict  # the Task's prompt payload
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    output: str
+    ok: bool
+    reason: str | None = None
+
+
+class Agent(Protocol):
+    def __call__(self, ctx: AgentContext) -> Awaitable[AgentResult]: ...
+
+
+@dataclass(frozen=True)
+class CommandAgent:
+    """Run `command` once per session with the OpenAI environment set; stdout is the output."""
+
+    command: str
+    timeout_s: float = 600.0
+
+    async def __call__(self, ctx: AgentContext) -> AgentResult:
+        env = {**os.environ, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
+               "FORGE_SESSION_ID": ctx.session_id, "FORGE_TASK_JSON": json.dumps(ctx.task)}
+        proc = await asyncio.create_subprocess_exec(
+            *shlex.split(self.command), env=env, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(json.dumps(ctx.task).encode()), self.timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return AgentResult("", False, f"agent timed out after {self.timeout_s:.0f}s")
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-3:]
+            return AgentResult(out.decode(errors="replace"), False,
+                               f"agent exited with {proc.returncode}: {' | '.join(tail)}")
+        return AgentResult(out.decode(errors="replace"), True)
+
+
+def callable_agent(fn: Callable[[AgentContext], Awaitable[str]]) -> Agent:
+    """Wrap `async fn(ctx) -> output` as an Agent; an exception marks the session as errored."""
+
+    async def run(ctx: AgentContext) -> AgentResult:
+        try:
+            return AgentResult(await fn(ctx), True)
+        except Exception as exc:  # the agent's failure is data for the trajectory, not a controller crash
+            return AgentResult("", False, f"{type(exc).__name__}: {exc}")
+
+    return run

@@ -1,0 +1,331 @@
+"""The Kafka adapter of the windowed FIFO: forge.tasks + forge.samples in, batches to the trainer out.
+
+It learns the queue from Task events (`seq`) and the finished groups from TrainSample events (`task_seq`),
+holds finished samples until the window reaches them, and hands the trainer batches through
+`WindowedFifo` (forge_stream.scheduler.window).
+
+Durability. Kafka offsets are one watermark per partition, and groups are consumed out of order, so the
+consumer commits on each partition only up to the first record whose group is not yet *retired* (trained,
+skipped or dropped). What lies beyond the watermark is re-read after a restart, so the retired groups must
+be known durably on their own:
+- a trained group is listed in the `group_ids` of the TrainStep this loop publishes on forge.train_metrics
+  (keyed by the run name) before it commits any offset: that record is the commit point of a step;
+- a group skipped by the timeout, or a sample dropped by the staleness bound, becomes a DeadLetter on
+  forge.dlq (rejected_by = `scheduler:<run>`, key = group id) with the original Task or TrainSample bytes.
+On start the consumer reads both topics to the end and retires those groups again, so after a SIGKILL
+nothing is lost (uncommitted records are re-read) and nothing is trained twice (retired groups are skipped).
+
+Window basis. `SchedulerSettings.window` is a WindowSpec. A fraction applies to `rollout_slots` (the
+rollout concurrency, as in the benchmark) when it is set, otherwise to the current queue (groups submitted
+and not yet consumed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from forge_stream.events import DecodeError, decode, deterministic_id, encode, now_ms
+from forge_stream.kafka.consumer import DecodingConsumer, Event, consumer_config, dead_letter
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.scheduler.window import WindowedFifo, WindowSpec
+from forge_stream.topics import TOPICS, Topic
+
+RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """One scheduler process: which run it feeds and how it shapes batches."""
+
+    bootstrap: str
+    run: str
+    batch_size: int = 32
+    window: WindowSpec = field(default_factory=WindowSpec)
+    rollout_slots: int | None = None
+    group_timeout_s: float = 600.0
+    max_staleness: int | None = None
+    stale_action: Literal["drop", "keep"] = "keep"
+    poll_s: float = 0.2
+
+    @property
+    def name(self) -> str:
+        """The consumer group, and the `rejected_by` of this scheduler's dead letters."""
+        return f"scheduler:{self.run}"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Groups handed to the trainer, with the staleness of each (trainer version minus sample version)."""
+
+    samples: list[dict]
+    staleness: list[int]
+    policy_version: int
+    over_bound: int
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [s["group_id"] for s in self.samples]
+
+    @property
+    def staleness_mean(self) -> float:
+        return sum(self.staleness) / len(self.staleness)
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.staleness)
+
+
+class Trainer(Protocol):
+    """What the loop drives: the current policy version and one optimizer step per batch."""
+
+    policy_version: int
+
+    def train(self, batch: Batch) -> dict:
+        """Train on the batch; return the TrainStep metric fields it knows (loss, mean_reward, ...)."""
+
+
+def _watermarks(consumer: Consumer, topic: str, partition: int, attempts: int = 50) -> tuple[int, int]:
+    """Low and high offsets, retrying while a freshly created partition has no leader yet."""
+    for attempt in range(attempts):
+        try:
+            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        except KafkaException as exc:
+            if exc.args[0].code() not in RETRIABLE or attempt == attempts - 1:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+def read_to_end(bootstrap: str, topic: Topic, group: str) -> list[tuple[str | None, dict]]:
+    """Every decodable (key, record) of a topic from the beginning to its current end."""
+    consumer = Consumer(consumer_config(bootstrap, group, **{"enable.partition.eof": True}))
+    try:
+        ends = {}
+        for p in range(topic.partitions):
+            low, high = _watermarks(consumer, topic.name, p)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(topic.name, p, 0) for p in ends])
+        out = []
+        while ends:
+            msg = consumer.poll(1.0)
+            if msg is None or msg.error():
+                if msg is not None and msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {topic.name}: {msg.error()}")
+                continue
+            if msg.offset() + 1 >= ends.get(msg.partition(), 0):
+                ends.pop(msg.partition(), None)
+            try:
+                out.append((msg.key().decode() if msg.key() else None, decode(msg.value())[1]))
+            except DecodeError:
+                continue
+        return out
+    finally:
+        consumer.close()
+
+
+def start_at_end(settings: SchedulerSettings) -> None:
+    """Begin a new run at the current end of forge.tasks and forge.samples (what came before is not its queue).
+
+    Commits the end offsets for the scheduler's consumer group, which has no offsets yet.
+    """
+    consumer = Consumer(consumer_config(settings.bootstrap, settings.name))
+    try:
+        offsets = [TopicPartition(t.name, p, _watermarks(consumer, t.name, p)[1])
+                   for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
+        consumer.commit(offsets=offsets, asynchronous=False)
+    finally:
+        consumer.close()
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What earlier runs of this scheduler made durable."""
+
+    retired: frozenset[str]
+    steps: int
+    last_version: int | None
+
+
+def recover(settings: SchedulerSettings) -> Recovered:
+    """Groups already trained (TrainStep.group_ids of this run) or rejected by this scheduler (forge.dlq)."""
+    retired: set[str] = set()
+    steps, version = 0, None
+    for key, record in read_to_end(settings.bootstrap, TOPICS.train_metrics, settings.name + ":recover"):
+        if key == settings.run:
+            retired.update(record["group_ids"])
+            steps = max(steps, record["step"] + 1)
+            version = record["policy_version"] if version is None else max(version, record["policy_version"])
+    for key, record in read_to_end(settings.bootstrap, TOPICS.dlq, settings.name + ":recover"):
+        if record["rejected_by"] == settings.name and key is not None:
+            retired.add(key)
+    return Recovered(frozenset(retired), steps, version)
+
+
+class WindowedConsumer:
+    """Feeds a trainer from Kafka in bounded FIFO order; see the module docstring for the guarantees."""
+
+    def __init__(self, settings: SchedulerSettings, producer: EventProducer | None = None,
+                 recovered: Recovered | None = None):
+        self.settings = settings
+        recovered = recovered or recover(settings)
+        self.retired: set[str] = set(recovered.retired)
+        self.step = recovered.steps
+        self.skipped: list[str] = []
+        self.dropped: list[str] = []
+        self._core = WindowedFifo(None)
+        self._producer = producer or EventProducer(settings.bootstrap)
+        self._source = DecodingConsumer(settings.bootstrap, settings.name, [TOPICS.tasks, TOPICS.samples],
+                                        name=settings.name, producer=self._producer)
+        self._tasks: dict[int, Event] = {}
+        self._samples: dict[int, Event] = {}
+        self._unsettled: dict[tuple[str, int], set[int]] = {}
+        self._records_of: dict[str, list[tuple[tuple[str, int], int]]] = {}
+        self._seen: dict[tuple[str, int], int] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+
+    def poll(self, timeout: float) -> bool:
+        """Ingest at most one event; False when nothing arrived."""
+        event = self._source.poll(timeout)
+        if event is None:
+            return False
+        tp = (event.topic, event.partition)
+        self._seen[tp] = event.offset + 1
+        group = event.record["group_id"]
+        if group in self.retired:
+            return True
+        self._unsettled.setdefault(tp, set()).add(event.offset)
+        self._records_of.setdefault(group, []).append((tp, event.offset))
+        if event.topic == TOPICS.tasks.name:
+            seq = event.record["seq"]
+            self._tasks.setdefault(seq, event)
+            self._core.submit(seq)
+        else:
+            seq = event.record["task_seq"]
+            self._samples.setdefault(seq, event)
+            self._core.finish(seq)
+        return True
+
+    def next_batch(self, trainer_version: int, wait_s: float, partial: bool = False) -> Batch | None:
+        """A full batch as soon as the window offers one; after `wait_s` None, or what there is if `partial`."""
+        deadline = now_ms() + wait_s * 1000
+        while True:
+            self._expire()
+            self._core.window = self._window()
+            if self._core.available() >= self.settings.batch_size:
+                batch = self._take(trainer_version, self.settings.batch_size)
+                if batch is not None:
+                    return batch
+                continue
+            if now_ms() >= deadline:
+                return self._take(trainer_version, self.settings.batch_size) if partial else None
+            if self.poll(self.settings.poll_s):
+                while self.poll(0):
+                    pass
+
+    def ack(self, batch: Batch, metrics: dict) -> dict:
+        """Publish the step's TrainStep (the durable record of what was trained), then commit offsets."""
+        record = step_record(self.settings.run, self.step, batch, metrics)
+        self._producer.send_sync(TOPICS.train_metrics, self.settings.run, record)
+        self.step += 1
+        for group in batch.group_ids:
+            self._retire(group)
+        self.commit()
+        return record
+
+    def run(self, trainer: Trainer, steps: int, wait_s: float = 30.0) -> list[dict]:
+        """Train `steps` batches (fewer if no batch comes within `wait_s`); returns the TrainStep records."""
+        out = []
+        for _ in range(steps):
+            batch = self.next_batch(trainer.policy_version, wait_s)
+            if batch is None:
+                break
+            out.append(self.ack(batch, trainer.train(batch)))
+        return out
+
+    def commit(self) -> None:
+        """Commit each partition up to (not including) its first record whose group is not retired."""
+        for tp, end in self._seen.items():
+            pending = self._unsettled.get(tp)
+            mark = min(pending) if pending else end
+            if mark > self._committed.get(tp, 0):
+                self._source.commit(Event(tp[0], tp[1], mark - 1, None, "", {}, 0))
+                self._committed[tp] = mark
+
+    def close(self) -> None:
+        self._source.close()
+        self._producer.close()
+
+    def _window(self) -> int | None:
+        basis = self.settings.rollout_slots or max(1, self._core.pending())
+        return self.settings.window.resolve(basis)
+
+    def _take(self, version: int, n: int) -> Batch | None:
+        samples, staleness, over = [], [], 0
+        bound, drop = self.settings.max_staleness, self.settings.stale_action == "drop"
+        while len(samples) < n:
+            seqs = self._core.take(n - len(samples))
+            if not seqs:
+                break
+            for seq in seqs:
+                event = self._samples.pop(seq)
+                self._tasks.pop(seq, None)
+                lag = version - event.record["policy_version"]
+                if bound is not None and lag > bound:
+                    if drop:
+                        self._reject(event, f"staleness {lag} > bound {bound}: dropped", TOPICS.samples)
+                        self.dropped.append(event.record["group_id"])
+                        continue
+                    over += 1
+                samples.append(event.record)
+                staleness.append(lag)
+        if not samples:
+            self.commit()
+            return None
+        return Batch(samples, staleness, version, over)
+
+    def _expire(self) -> None:
+        """Skip the group that blocks the window once its task is older than the timeout."""
+        limit = now_ms() - self.settings.group_timeout_s * 1000
+        while (seq := self._core.frontier) is not None and seq in self._tasks:
+            task = self._tasks[seq]
+            if task.record["event_time"] > limit:
+                return
+            group = task.record["group_id"]
+            self._reject(task, f"group unfinished after {self.settings.group_timeout_s:g}s: skipped by the "
+                               f"windowed FIFO; its partial rollouts stay on {TOPICS.trajectories.name}",
+                         TOPICS.tasks)
+            self._core.skip(seq)
+            self._tasks.pop(seq)
+            self.skipped.append(group)
+
+    def _reject(self, event: Event, error: str, topic: Topic) -> None:
+        group = event.record["group_id"]
+        record = dead_letter(event.topic, event.partition, event.offset, group.encode(),
+                             encode(event.schema, event.record), error, self.settings.name)
+        self._producer.send_sync(TOPICS.dlq, group, record)
+        self._retire(group)
+
+    def _retire(self, group: str) -> None:
+        self.retired.add(group)
+        for tp, offset in self._records_of.pop(group, []):
+            self._unsettled[tp].discard(offset)
+
+
+def step_record(run: str, step: int, batch: Batch, metrics: dict) -> dict:
+    """The TrainStep of one step: the trainer's metrics plus what the scheduler knows about the batch."""
+    total = sum(s["total_tokens"] for s in batch.samples)
+    unique = sum(s["unique_tokens"] for s in batch.samples)
+    base = {
+        "event_id": deterministic_id("train_step", run, step), "event_time": now_ms(), "step": step,
+        "policy_version": batch.policy_version, "loss": 0.0, "mean_reward": 0.0,
+        "groups": len(batch.samples), "sequences": sum(len(s["sequences"]) for s in batch.samples),
+        "total_tokens": total, "unique_tokens": unique, "tree_ratio": total / unique if unique else 1.0,
+        "tokens_per_s": 0.0, "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
+        "grad_norm": 0.0, "lr": 0.0,
+    }
+    return base | metrics | {"group_ids": batch.group_ids}

@@ -1,0 +1,97 @@
+"""Policy-gradient losses on the per-sequence view: CISPO (MiniMax-M1) and the PPO/GRPO clipped surrogate.
+
+Inputs are per sequence: the current policy's log-probs of its completion tokens (differentiable), the
+log-probs recorded at rollout time for the same tokens (`old`), and one advantage per sequence (or one per
+token). Both losses use token-mean normalisation: the sum over all completion tokens divided by
+`normalizer` (default: the number of completion tokens passed in). Pass the step's total token count as
+`normalizer` to accumulate micro-batches into exactly the full-batch gradient.
+
+CISPO: `J = (1 / sum_i |o_i|) * sum_i sum_t sg(clip(r_it, 1 - eps_low, 1 + eps_high)) * A_it * log pi(o_it)`,
+with `r = exp(logp - old)`. The clipped weight is detached, so every token keeps a gradient. One-sided by
+default (`eps_low=None`: no lower bound), as in the paper.
+PPO/GRPO: `J = (1 / sum_i |o_i|) * sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`.
+The returned loss is `-J` (to minimise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: torch.Tensor  # scalar, -J
+    tokens: int  # completion tokens in this call
+    clip_fraction: float  # share of tokens whose ratio hit a clip bound
+    ratio_mean: float
+    ratio_max: float
+
+
+def _flatten(
+    logprobs: Sequence[torch.Tensor], old_logprobs: Sequence[torch.Tensor], advantages
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate the per-sequence view into per-token tensors (advantages broadcast per sequence)."""
+    if not len(logprobs) == len(old_logprobs) == len(advantages):
+        raise ValueError("logprobs, old_logprobs and advantages must have one entry per sequence")
+    lp = torch.cat([x.reshape(-1) for x in logprobs])
+    old_parts, adv_parts = [], []
+    for x, old, adv in zip(logprobs, old_logprobs, advantages):
+        old = torch.as_tensor(old, dtype=lp.dtype, device=lp.device).reshape(-1)
+        if old.numel() != x.numel():
+            raise ValueError(f"sequence has {x.numel()} log-probs but {old.numel()} old log-probs")
+        old_parts.append(old)
+        adv = torch.as_tensor(adv, dtype=lp.dtype, device=lp.device)
+        adv_parts.append(adv.expand(x.numel()) if adv.ndim == 0 else adv.reshape(-1))
+    return lp, torch.cat(old_parts), torch.cat(adv_parts)
+
+
+def _clip(ratio: torch.Tensor, eps_low: float | None, eps_high: float) -> torch.Tensor:
+    return ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
+
+
+def _output(objective_sum: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, normalizer) -> LossOutput:
+    n = ratio.numel()
+    denom = float(normalizer if normalizer is not None else max(n, 1))
+    return LossOutput(
+        loss=-objective_sum / denom,
+        tokens=n,
+        clip_fraction=float(clipped.float().mean()) if n else 0.0,
+        ratio_mean=float(ratio.mean()) if n else 0.0,
+        ratio_max=float(ratio.max()) if n else 0.0,
+    )
+
+
+def cispo_loss(
+    logprobs: Sequence[torch.Tensor],
+    old_logprobs: Sequence,
+    advantages: Sequence,
+    *,
+    eps_high: float = 4.0,
+    eps_low: float | None = None,
+    normalizer: int | None = None,
+) -> LossOutput:
+    """CISPO loss (-J) with a detached, clipped importance weight; one-sided unless eps_low is given."""
+    lp, old, adv = _flatten(logprobs, old_logprobs, advantages)
+    ratio = torch.exp(lp.detach() - old)
+    weight = _clip(ratio, eps_low, eps_high)
+    return _output((weight * adv * lp).sum(), ratio, weight != ratio, normalizer)
+
+
+def ppo_clip_loss(
+    logprobs: Sequence[torch.Tensor],
+    old_logprobs: Sequence,
+    advantages: Sequence,
+    *,
+    eps_low: float | None = 0.2,
+    eps_high: float = 0.2,
+    normalizer: int | None = None,
+) -> LossOutput:
+    """PPO/GRPO clipped surrogate loss (-J); tokens whose clipped term is the minimum get no gradient."""
+    lp, old, adv = _flatten(logprobs, old_logprobs, advantages)
+    ratio = torch.exp(lp - old)
+    clipped_ratio = _clip(ratio, eps_low, eps_high)
+    objective = torch.minimum(ratio * adv, clipped_ratio * adv)
+    return _output(objective.sum(), ratio.detach(), clipped_ratio.detach() != ratio.detach(), normalizer)

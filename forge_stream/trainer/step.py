@@ -1,0 +1,155 @@
+"""One tree-packed training step over decoded TrainSample records (pure: model, optimizer and records in,
+stats out; no Kafka).
+
+Each TrainSample is one group's prefix tree. `micro_batches` packs consecutive samples into forests of at
+most `token_budget` unique rows (a sample larger than the budget goes alone). Per micro-batch the forest runs
+through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
+`length - 1` values) meet its recorded rollout log-probs and advantage in the loss. The loss is normalised by
+the completion tokens of the whole step, so micro-batching leaves the gradient unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from forge_stream.trainer.losses import cispo_loss, ppo_clip_loss
+from forge_stream.tree import PackedTree, from_arrays, merge, sequence_logprobs
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    loss: Literal["cispo", "ppo"] = "cispo"
+    eps_high: float = 4.0  # CISPO upper bound on the importance weight (1 + eps_high); PPO uses e.g. 0.2
+    eps_low: float | None = None  # None: no lower bound (CISPO as in the paper)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    token_budget: int = 16384  # max unique tree rows per micro-batch forward
+    chunk_rows: int = 128  # query rows per chunk of CPU tree attention
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    groups: int
+    sequences: int
+    total_tokens: int  # T
+    unique_tokens: int  # U
+    loss_tokens: int  # completion tokens trained
+    tree_ratio: float  # T / U
+    micro_batches: int
+    grad_norm: float
+    clip_fraction: float
+    mean_reward: float
+    staleness_mean: float
+    staleness_max: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def sample_tree(sample: dict) -> PackedTree:
+    """The PackedTree of a decoded TrainSample; ValueError if its arrays or sequence refs are inconsistent."""
+    tree = from_arrays(sample["token_ids"], sample["parent_row"], [s["last_row"] for s in sample["sequences"]])
+    if tree.position_ids.tolist() != list(sample["position_ids"]) or tree.subtree_end.tolist() != list(
+        sample["subtree_end"]
+    ):
+        raise ValueError(f"sample {sample.get('event_id')}: position_ids/subtree_end disagree with parent_row")
+    for ref, length in zip(sample["sequences"], tree.lengths):
+        if ref["length"] != length or not 1 <= ref["prompt_len"] <= length:
+            raise ValueError(f"sample {sample.get('event_id')}: sequence {ref['completion_id']} has a bad length")
+        if len(ref["old_logprobs"]) != length - ref["prompt_len"]:
+            raise ValueError(f"sample {sample.get('event_id')}: sequence {ref['completion_id']} old_logprobs length")
+    return tree
+
+
+def micro_batches(trees: Sequence[PackedTree], token_budget: int) -> list[list[int]]:
+    """Consecutive indices of trees grouped so each group's unique rows stay within the budget."""
+    groups: list[list[int]] = []
+    rows = 0
+    for i, tree in enumerate(trees):
+        if groups and rows + tree.num_rows <= token_budget:
+            groups[-1].append(i)
+            rows += tree.num_rows
+        else:
+            groups.append([i])
+            rows = tree.num_rows
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, config: StepConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config: StepConfig) -> dict:
+    """Run every micro-batch forward and backward (gradients add up in .grad); return the loss and counts."""
+    trees = [sample_tree(s) for s in samples]
+    refs = [ref for s in samples for ref in s["sequences"]]
+    loss_tokens = sum(r["length"] - r["prompt_len"] for r in refs)
+    batches = micro_batches(trees, config.token_budget)
+    loss_fn = cispo_loss if config.loss == "cispo" else ppo_clip_loss
+    total_loss, clipped = 0.0, 0.0
+    for batch in batches:
+        forest = merge([trees[i] for i in batch])
+        batch_refs = [ref for i in batch for ref in samples[i]["sequences"]]
+        logprobs = sequence_logprobs(model, forest, chunk_rows=config.chunk_rows)
+        completion = [lp[ref["prompt_len"] - 1 :] for lp, ref in zip(logprobs, batch_refs)]
+        out = loss_fn(
+            completion,
+            [ref["old_logprobs"] for ref in batch_refs],
+            [ref["advantage"] for ref in batch_refs],
+            eps_low=config.eps_low,
+            eps_high=config.eps_high,
+            normalizer=max(loss_tokens, 1),
+        )
+        out.loss.backward()
+        total_loss += float(out.loss.detach())
+        clipped += out.clip_fraction * out.tokens
+    return {
+        "loss": total_loss,
+        "trees": trees,
+        "loss_tokens": loss_tokens,
+        "micro_batches": len(batches),
+        "clip_fraction": clipped / max(loss_tokens, 1),
+    }
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[dict],
+    config: StepConfig,
+    policy_version: int,
+) -> StepStats:
+    """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness."""
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    optimizer.zero_grad(set_to_none=True)
+    acc = accumulate_gradients(model, samples, config)
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    optimizer.step()
+    trees = acc["trees"]
+    total = sum(t.total_tokens for t in trees)
+    unique = sum(t.num_rows for t in trees)
+    rewards = [ref["reward"] for s in samples for ref in s["sequences"]]
+    staleness = [policy_version - s["policy_version"] for s in samples]
+    return StepStats(
+        loss=acc["loss"],
+        groups=len(samples),
+        sequences=len(rewards),
+        total_tokens=total,
+        unique_tokens=unique,
+        loss_tokens=acc["loss_tokens"],
+        tree_ratio=total / unique,
+        micro_batches=acc["micro_batches"],
+        grad_norm=grad_norm,
+        clip_fraction=acc["clip_fraction"],
+        mean_reward=sum(rewards) / len(rewards),
+        staleness_mean=sum(staleness) / len(staleness),
+        staleness_max=max(staleness),
+    )

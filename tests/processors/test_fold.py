@@ -1,0 +1,125 @@
+"""The group fold: when a group completes or times out, and that outputs depend only on the events, not on
+their order or on redeliveries."""
+
+import random
+
+import pytest
+
+from forge_stream.events import encode
+from forge_stream.processors import InvalidEvent, ProcessorSettings, expire, fold
+from forge_stream.processors.synthetic import group_events
+
+SETTINGS = ProcessorSettings(group_timeout_ms=60_000)
+
+
+def run(events, state=None):
+    outputs = []
+    for schema, record in events:
+        state, out = fold(state, schema, record, SETTINGS)
+        outputs.extend(out)
+    return state, outputs
+
+
+def by_schema(outputs, schema):
+    return [e.record for e in outputs if e.schema == schema]
+
+
+def test_group_completes_once_all_sessions_finished_and_graded():
+    events = group_events("g", group_size=3)
+    state, out = run(events[:-1])
+    assert out == [] and not state["closed"]
+    state, out = run(events[-1:], state)
+    assert state["closed"]
+    [sample] = by_schema(out, "TrainSample")
+    assert sample["group_complete"] and sample["task_seq"] == 0 and sample["domain"] == "agent"
+    assert len(by_schema(out, "Trajectory")) == 3
+    assert {r["kind"] for r in by_schema(out, "Reward")} == {"process", "time", "total"}
+    for e in out:
+        encode(e.schema, e.record)  # every output matches its Avro schema
+
+
+def test_untrainable_completions_stay_out_of_the_tree():
+    _, out = run(group_events("g", group_size=2, turns=3))
+    [sample] = by_schema(out, "TrainSample")
+    assert "g-s0-c0" not in {s["completion_id"] for s in sample["sequences"]}
+    assert len(sample["sequences"]) == 5
+    turns = {t["completion_id"]: t for tr in by_schema(out, "Trajectory") for t in tr["turns"]}
+    assert turns["g-s0-c0"]["trainable"] is False
+
+
+def test_finish_before_grade_waits_for_the_grade():
+    events = group_events("g", group_size=1)
+    finish = [e for e in events if e[0] == "SessionFinished"]
+    grade = [e for e in events if e[0] == "Reward"]
+    rest = [e for e in events if e[0] not in ("SessionFinished", "Reward")]
+    state, out = run(rest + finish)
+    assert out == []
+    _, out = run(grade, state)
+    assert len(by_schema(out, "TrainSample")) == 1
+
+
+def test_outputs_do_not_depend_on_order_or_redelivery():
+    events = group_events("g", group_size=4, turns=3)
+    _, want = run(events)
+    shuffled = events + random.Random(7).sample(events, 10)  # redeliveries
+    random.Random(1).shuffle(shuffled)
+    _, got = run(shuffled)
+    assert [(e.schema, e.record) for e in got] == [(e.schema, e.record) for e in want]
+
+
+def test_timeout_closes_with_what_finished():
+    events = group_events("g", group_size=3)
+    unfinished = "g-s2"
+    partial = [e for e in events if not (e[0] == "SessionFinished" and e[1]["session_id"] == unfinished)]
+    state, out = run(partial)
+    assert out == []
+    assert expire(state, state["first_ms"] + 59_999, SETTINGS) == (state, [])
+    closed, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    assert closed["closed"]
+    [sample] = by_schema(out, "TrainSample")
+    assert not sample["group_complete"] and sample["event_time"] == state["first_ms"] + 60_000
+    assert {s["session_id"] for s in sample["sequences"]} == {"g-s0", "g-s1"}
+    assert all(t["missing_sessions"] == [unfinished] for t in by_schema(out, "Trajectory"))
+
+
+def test_closed_group_ignores_late_events_then_is_forgotten():
+    events = group_events("g", group_size=1)
+    state, _ = run(events)
+    again, out = run(events, state)
+    assert again == state and out == []
+    assert expire(state, state["closed_ms"] + SETTINGS.forget_closed_ms, SETTINGS) == (None, [])
+
+
+def test_own_rewards_are_not_read_back():
+    events = group_events("g", group_size=1)
+    _, out = run(events)
+    state, _ = run(events[:-1])
+    for e in by_schema(out, "Reward"):
+        state, extra = fold(state, "Reward", e, SETTINGS)
+        assert extra == []
+    assert not state["closed"]
+
+
+@pytest.mark.parametrize("schema,patch", [
+    ("Completion", {"completion_logprobs": [0.0]}),
+    ("Task", {"group_size": 0}),
+    ("Task", {"group_id": ""}),
+])
+def test_invalid_events_are_rejected(schema, patch):
+    record = next(r for s, r in group_events("g") if s == schema and r.get("completion_token_ids", [1]))
+    with pytest.raises(InvalidEvent):
+        fold(None, schema, {**record, **patch}, SETTINGS)
+
+
+def test_unknown_schema_is_rejected():
+    with pytest.raises(InvalidEvent):
+        fold(None, "TrainStep", {"group_id": "g"}, SETTINGS)
+
+
+def test_finish_read_before_last_completion_waits_for_it():
+    events = group_events("g", group_size=1, turns=3)
+    last = [e for e in events if e[0] == "Completion"][-1]
+    state, out = run([e for e in events if e is not last])
+    assert out == [] and not state["closed"]
+    state, out = run([last], state)
+    assert len(by_schema(out, "TrainSample")[0]["sequences"]) == 2  # turn 0 of session 0 is untrainable

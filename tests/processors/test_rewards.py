@@ -1,0 +1,49 @@
+"""Reward-to-go and group normalization against a direct computation; the time reward's bounds."""
+
+import math
+
+from hypothesis import given, settings as hsettings, strategies as st
+
+from forge_stream.processors.rewards import normalize, reward_to_go, time_rewards
+from forge_stream.processors.settings import ProcessorSettings
+
+finite = st.floats(min_value=-10, max_value=10, allow_nan=False)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(sessions=st.lists(st.lists(finite, min_size=1, max_size=6), min_size=1, max_size=6),
+       gamma=st.floats(min_value=0.0, max_value=1.0))
+def test_advantages_match_direct_computation(sessions, gamma):
+    direct = [[sum(gamma ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))] for r in sessions]
+    flat = [g for gs in direct for g in gs]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((g - mean) ** 2 for g in flat) / len(flat))
+
+    ours = [reward_to_go(r, gamma) for r in sessions]
+    for got, want in zip(ours, direct):
+        assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9) for a, b in zip(got, want))
+    advantages = normalize([g for gs in ours for g in gs])
+    if std > 1e-6:
+        want_adv = [(g - mean) / std for g in flat]
+        assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(advantages, want_adv))
+        assert math.isclose(sum(advantages) / len(advantages), 0.0, abs_tol=1e-9)
+        assert math.isclose(sum(a * a for a in advantages) / len(advantages), 1.0, rel_tol=1e-6)
+    elif std == 0.0:
+        assert advantages == [0.0] * len(flat)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=3), st.tuples(st.integers(0, 10_000), st.booleans()),
+                       min_size=1, max_size=8))
+def test_time_reward_bounded_faster_is_better(rollouts):
+    cfg = ProcessorSettings(time_reward_weight=0.25)
+    times = {sid: t for sid, (t, _) in rollouts.items()}
+    outcomes = {sid: 1.0 if ok else 0.0 for sid, (_, ok) in rollouts.items()}
+    got = time_rewards(times, outcomes, cfg)
+    assert all(-0.25 - 1e-12 <= v <= 0.25 + 1e-12 for v in got.values())
+    assert all(got[sid] == 0.0 for sid, (_, ok) in rollouts.items() if not ok)
+    ok = [sid for sid, (_, good) in rollouts.items() if good]
+    assert math.isclose(sum(got[s] for s in ok), 0.0, abs_tol=1e-9)
+    for a in ok:
+        for b in ok:
+            if times[a] < times[b]:
+                assert got[a] > got[b]

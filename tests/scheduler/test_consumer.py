@@ -1,0 +1,156 @@
+"""The windowed consumer on the real broker: window order, offsets, timeouts, staleness, SIGKILL and restart."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from forge_stream.kafka.consumer import consumer_config
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.scheduler.consumer import (
+    SchedulerSettings, WindowedConsumer, read_to_end, start_at_end,
+)
+from forge_stream.scheduler.window import WindowSpec
+from forge_stream.topics import TOPICS
+from scheduler_records import group_id, sample, task
+
+pytestmark = pytest.mark.kafka
+CHILD = Path(__file__).with_name("scheduler_child.py")
+
+
+class CountingTrainer:
+    def __init__(self):
+        self.policy_version = 0
+        self.batches = []
+
+    def train(self, batch):
+        self.batches.append(batch)
+        self.policy_version += 1
+        return {"loss": 1.0}
+
+
+def settings_for(bootstrap, run, **kw):
+    settings = SchedulerSettings(bootstrap=bootstrap, run=run, **kw)
+    start_at_end(settings)
+    return settings
+
+
+def produce(bootstrap, tasks=(), samples=()):
+    producer = EventProducer(bootstrap)
+    for record in tasks:
+        producer.produce(TOPICS.tasks, record["group_id"], record)
+    for record in samples:
+        producer.produce(TOPICS.samples, record["group_id"], record)
+    producer.close()
+
+
+def trained_groups(bootstrap, run):
+    return [g for key, r in read_to_end(bootstrap, TOPICS.train_metrics, f"check-{run}") if key == run
+            for g in r["group_ids"]]
+
+
+def committed(bootstrap, group, topic):
+    consumer = Consumer(consumer_config(bootstrap, group))
+    try:
+        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+        got = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=10)}
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic.name, p), timeout=10)[1]
+                for p in range(topic.partitions)}
+        return got, ends
+    finally:
+        consumer.close()
+
+
+def test_window_hides_finished_groups_beyond_it_and_commits_only_consumed(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=3))
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(8)], [sample(run_id, s) for s in (1, 2, 3, 4, 5)])
+    consumer, trainer = WindowedConsumer(settings), CountingTrainer()
+    steps = consumer.run(trainer, steps=3, wait_s=5)
+    assert [r["group_ids"] for r in steps] == [[group_id(run_id, 1), group_id(run_id, 2)]]
+    produce(kafka_bootstrap, samples=[sample(run_id, 0)])
+    steps = consumer.run(trainer, steps=1, wait_s=10)
+    assert steps[0]["group_ids"] == [group_id(run_id, 0), group_id(run_id, 3)]
+    got, ends = committed(kafka_bootstrap, settings.name, TOPICS.samples)
+    assert sum(ends.values()) - sum(got.values()) <= 2, "only the unconsumed samples (4, 5) stay uncommitted"
+    assert consumer.run(trainer, steps=1, wait_s=10)[0]["group_ids"] == [group_id(run_id, 4), group_id(run_id, 5)]
+    assert consumer.next_batch(trainer.policy_version, 0.5, partial=True) is None
+    produce(kafka_bootstrap, samples=[sample(run_id, 6)])
+    assert consumer.next_batch(trainer.policy_version, 5, partial=True).group_ids == [group_id(run_id, 6)]
+    consumer.close()
+
+
+def test_timeout_skips_a_group_that_never_finishes_and_records_it(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=1),
+                            group_timeout_s=2.0)
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(3)], [sample(run_id, s) for s in (1, 2)])
+    consumer = WindowedConsumer(settings)
+    started = time.monotonic()
+    steps = consumer.run(CountingTrainer(), steps=1, wait_s=20)
+    assert time.monotonic() - started >= 1.5
+    assert steps[0]["group_ids"] == [group_id(run_id, 1), group_id(run_id, 2)]
+    assert consumer.skipped == [group_id(run_id, 0)]
+    letters = [r for k, r in read_to_end(kafka_bootstrap, TOPICS.dlq, f"check-{run_id}") if k == group_id(run_id, 0)]
+    assert len(letters) == 1 and letters[0]["topic"] == TOPICS.tasks.name
+    assert letters[0]["rejected_by"] == settings.name and "forge.trajectories" in letters[0]["error"]
+    consumer.close()
+    restarted = WindowedConsumer(settings)
+    assert group_id(run_id, 0) in restarted.retired
+    restarted.close()
+
+
+@pytest.mark.parametrize("action", ["keep", "drop"])
+def test_staleness_is_reported_and_bounded(kafka_bootstrap, run_id, action):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=4),
+                            max_staleness=3, stale_action=action)
+    versions = {0: 9, 1: 5, 2: 8, 3: 7}
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(4)], [sample(run_id, s, v) for s, v in versions.items()])
+    consumer, trainer = WindowedConsumer(settings), CountingTrainer()
+    trainer.policy_version = 10
+    steps = consumer.run(trainer, steps=1, wait_s=10)
+    if action == "keep":
+        assert steps[0]["staleness_max"] == 5 and steps[0]["staleness_mean"] == 3.0
+        assert trainer.batches[0].over_bound == 1
+    else:
+        assert consumer.dropped == [group_id(run_id, 1)]
+        assert steps[0]["group_ids"] == [group_id(run_id, 0), group_id(run_id, 2)]
+        assert steps[0]["staleness_max"] == 2
+    consumer.close()
+
+
+def _start_child(bootstrap, run, total, batch, *mode):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path.cwd()), str(CHILD.parent)]))
+    return subprocess.Popen([sys.executable, str(CHILD), bootstrap, run, str(total), str(batch), *mode], env=env)
+
+
+@pytest.mark.parametrize("kill", ["external", "after-publish"])
+def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(kafka_bootstrap, run_id, kill):
+    total, batch = 24, 4
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=batch)
+    finish_order = list(range(total))
+    random.Random(run_id).shuffle(finish_order)
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(total)], [sample(run_id, s) for s in finish_order])
+    if kill == "external":
+        child = _start_child(kafka_bootstrap, run_id, total, batch)
+        deadline = time.monotonic() + 60
+        while len(trained_groups(kafka_bootstrap, run_id)) < 2 * batch and time.monotonic() < deadline:
+            time.sleep(0.2)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    else:
+        child = _start_child(kafka_bootstrap, run_id, total, batch, "die-after-publish")
+        assert child.wait(90) == -signal.SIGKILL
+    before = trained_groups(kafka_bootstrap, run_id)
+    assert 0 < len(before) < total
+    assert _start_child(kafka_bootstrap, run_id, total, batch).wait(120) == 0
+    trained = trained_groups(kafka_bootstrap, run_id)
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert set(trained) == {group_id(run_id, s) for s in range(total)}, "a group was lost"
+    for topic in (TOPICS.tasks, TOPICS.samples):
+        got, ends = committed(kafka_bootstrap, settings.name, topic)
+        assert got == ends, f"{topic.name}: everything consumed is committed"

@@ -1,0 +1,127 @@
+"""The processors topology: faust-streaming agents that run `forge_stream.processors` against Kafka.
+
+Inputs (all keyed by group_id, 4 partitions, so a group's events meet in one partition):
+forge.tasks, forge.sessions, forge.completions, forge.tool_spans, forge.rewards.
+Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components), forge.dlq.
+
+- agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state in the
+  `groups` table (memory store, rebuilt from its compacted changelog topic on restart) and publishes what
+  the fold returns. Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
+- timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
+  the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
+  `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
+  keeps every table write on the group's partition.
+- Outputs go to the group's input partition (the producer's partitioner chose it), so the output topics stay
+  co-partitioned with the inputs whatever client produced them.
+
+Delivery: at-least-once. Agents run at concurrency 1 and share one lock, so a group is never folded by both
+at once. A group's outputs are acknowledged by Kafka *before* its closed marker is written to the table, so
+a crash either left the group open (a replay closes it again and re-emits identical records: same ids,
+same content) or already published everything. Consumers downstream deduplicate on event_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faust
+
+from forge_stream.events import DecodeError, decode, encode, now_ms
+from forge_stream.kafka.consumer import dead_letter
+from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expire, fold
+from forge_stream.processors.groups import due
+from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
+
+INPUTS = (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
+OUTPUTS = (TOPICS.trajectories, TOPICS.samples, TOPICS.rewards, TOPICS.dlq)
+RAW = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    bootstrap: str
+    data_dir: Path
+    app_id: str = "forge-processors"  # names the consumer group, the table's changelog and internal topics
+    processors: ProcessorSettings = field(default_factory=ProcessorSettings)
+    tick_s: float = 1.0
+    offset_reset: str = "earliest"  # where a new consumer group starts: earliest or latest
+    commit_interval_s: float = 0.5
+
+
+def build_app(config: TopologyConfig) -> faust.App:
+    app = faust.App(
+        config.app_id, broker=f"kafka://{config.bootstrap}", store="memory://", datadir=str(config.data_dir),
+        topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=1, table_standby_replicas=0,
+        web_enabled=False, stream_wait_empty=False, consumer_auto_offset_reset=config.offset_reset,
+        broker_session_timeout=10.0, broker_heartbeat_interval=1.0, broker_commit_interval=config.commit_interval_s,
+        producer_acks=-1,
+    )
+    settings = config.processors
+    inputs = app.topic(*(t.name for t in INPUTS), **RAW)
+    timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, **RAW)
+    outputs = {t.name: app.topic(t.name, **RAW) for t in OUTPUTS}
+    groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str)
+    lock = asyncio.Lock()
+
+    async def publish(emits: list[Emit], partition: int) -> None:
+        sent = [await outputs[e.topic.name].send(key=e.key.encode(), value=encode(e.schema, e.record),
+                                                 partition=partition, force=True) for e in emits]
+        await asyncio.gather(*sent)  # acknowledged by Kafka before the state that follows them is written
+
+    async def reject(message, error: str, rejected_by: str) -> None:
+        record = dead_letter(message.topic, message.partition, message.offset, message.key, message.value,
+                             error, rejected_by)
+        await publish([Emit(TOPICS.dlq, message.topic, "DeadLetter", record)], None)
+
+    def store(group_id: str, state: dict | None) -> None:
+        if state is None:
+            groups.pop(group_id, None)
+        else:
+            groups[group_id] = state
+
+    @app.agent(inputs, name="groups", concurrency=1)
+    async def fold_groups(stream):
+        async for event in stream.events():
+            message = event.message
+            try:
+                schema, record = decode(message.value or b"")
+                if schema not in TOPICS.by_name(message.topic).value_schemas:
+                    raise DecodeError(f"{message.topic} does not carry {schema}")
+                async with lock:
+                    state, emits = fold(groups.get(record.get("group_id", "")), schema, record, settings,
+                                        message.partition)
+                    await publish(emits, message.partition)
+                    if state is not None:
+                        store(record["group_id"], state)
+            except (DecodeError, InvalidEvent) as exc:
+                await reject(message, str(exc), "processors.groups")
+
+    @app.agent(timeouts, name="timeouts", concurrency=1)
+    async def close_expired(stream):
+        async for value in stream:
+            group_id = json.loads(value)["group_id"]
+            async with lock:
+                state = groups.get(group_id)
+                new, emits = expire(state, now_ms(), settings)
+                if state is not None and new is not state:
+                    await publish(emits, state["partition"])
+                    store(group_id, new)
+
+    @app.timer(config.tick_s, name="timeouts-scan")
+    async def scan() -> None:
+        now = now_ms()
+        for group_id, state in list(groups.items()):
+            if due(state, now, settings):
+                await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
+                                    partition=state["partition"])
+
+    return app
+
+
+def run_worker(config: TopologyConfig, loglevel: str = "info") -> None:
+    """Run the topology in this process until it is stopped (SIGTERM/SIGINT)."""
+    app = build_app(config)
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
