@@ -1,0 +1,188 @@
+"""Benchmark of the gateway's own cost: latency through the gateway vs straight to the engine, and recorded
+completions per second with Kafka acknowledgement.
+
+Both sides hit the same scripted engine (a separate process that answers at once in vLLM's format, token ids and
+logprobs included), so the difference is what the gateway adds: parsing, forwarding, building and Avro-encoding
+the Completion event, and waiting for Kafka's acks=all acknowledgement before answering. The gateway runs as its
+own process (`forge-stream gateway serve`); the load comes from a minimal keep-alive HTTP/1.1 client (one
+connection per concurrent caller) so the client's cost stays small. Phases alternate direct and gateway runs at
+each concurrency. `recorded_per_s` is the gateway throughput at the highest concurrency; every gateway answer
+means an acknowledged Completion event, and the completions topic's end offsets are checked to have grown by
+exactly the number of gateway answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import orjson
+
+from forge_stream.gateway.scripted import encode, render
+from forge_stream.kafka.admin import create_topics, end_offsets
+from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
+from forge_stream.settings import ForgeSettings
+from forge_stream.topics import TOPICS
+
+
+@contextmanager
+def _process(args: list[str], health_url: str, log: Path):
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{args[:3]} exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(health_url, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{args[:3]} did not become healthy")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def _kafka(bootstrap: str | None, workdir: Path):
+    if bootstrap:
+        create_topics(bootstrap)
+        yield bootstrap
+        return
+    broker = LocalBroker(BrokerConfig(workdir / "kafka", ForgeSettings().cache_dir, port=free_port(),
+                                      controller_port=free_port()))
+    started = broker.start(echo=lambda *_: None)
+    try:
+        create_topics(started)
+        yield started
+    finally:
+        broker.stop()
+
+
+def _request(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _caller(port: int, request: bytes, count: int, latencies: list[int], errors: list[int]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(count):
+            start = time.perf_counter_ns()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line[:15].lower() == b"content-length:":
+                    length = int(line[15:])
+            await reader.readexactly(length)
+            latencies.append(time.perf_counter_ns() - start)
+            if head[9:12] != b"200":
+                errors.append(int(head[9:12]))
+    finally:
+        writer.close()
+
+
+async def _phase(port: int, requests: list[bytes], total: int) -> dict:
+    latencies: list[int] = []
+    errors: list[int] = []
+    per = max(total // len(requests), 1)
+    start = time.perf_counter()
+    await asyncio.gather(*(_caller(port, r, per, latencies, errors) for r in requests))
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    pick = lambda q: latencies[min(int(q * len(latencies)), len(latencies) - 1)] / 1e6  # noqa: E731
+    return {"requests": len(latencies), "errors": len(errors), "per_s": len(latencies) / elapsed,
+            "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
+        bootstrap: str | None = None) -> dict:
+    """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1)."""
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = asyncio.new_event_loop
+    with tempfile.TemporaryDirectory(prefix="forge-bench-gw-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        kafka = stack.enter_context(_kafka(bootstrap, work))
+        engine_port, gateway_port = free_port(), free_port()
+        stack.enter_context(_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+                                      "--reply", "The answer is 42, computed by the scripted engine."],
+                                     f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
+        gateway = stack.enter_context(_process(
+            ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
+             f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka],
+            f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        callers = max(concurrency)
+        sessions = [httpx.post(f"{gateway_url}/v1/sessions", json={"group_id": f"bench-{i % 8}",
+                                                                   "task_id": "bench"}).json()["session_id"]
+                    for i in range(callers)]
+        messages = [{"role": "system", "content": "You are a benchmark agent."},
+                    {"role": "user", "content": "x" * prompt_bytes}]
+        body = {"model": "scripted", "messages": messages, "max_tokens": 64}
+        direct_req = _request("/v1/chat/completions", orjson.dumps({**body, "return_token_ids": True,
+                                                                    "logprobs": True}))
+        gateway_reqs = [_request(f"/s/{s}/v1/chat/completions", orjson.dumps(body)) for s in sessions]
+        before = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
+
+        async def measure() -> dict:
+            await _phase(gateway_port, gateway_reqs, 500)  # warm-up (connections, caches, producer)
+            await _phase(engine_port, [direct_req] * callers, 500)
+            out = {}
+            for c in concurrency:
+                total = requests if c == max(concurrency) else max(requests // 4, 100)
+                direct = await _phase(engine_port, [direct_req] * c, total)
+                cpu0 = _cpu_seconds(gateway.pid)
+                through = await _phase(gateway_port, gateway_reqs[:c], total)
+                through["gateway_cpu_ms_per_request"] = (_cpu_seconds(gateway.pid) - cpu0) * 1000 / through["requests"]
+                out[c] = (direct, through)
+            return out
+
+        loop = loop_factory()
+        try:
+            phases = loop.run_until_complete(measure())
+        finally:
+            loop.close()
+        after = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
+
+    answered = 448 + sum(t["requests"] - t["errors"] for _, t in phases.values())
+    top_direct, top_gateway = phases[max(concurrency)]
+    result = {
+        "p50_overhead_ms": top_gateway["p50_ms"] - top_direct["p50_ms"],
+        "p99_overhead_ms": top_gateway["p99_ms"] - top_direct["p99_ms"],
+        "recorded_per_s": top_gateway["per_s"] if top_gateway["errors"] == 0 else 0.0,
+        "recorded_events_checked": after - before == answered,
+        "cores": os.cpu_count(),
+        "prompt_tokens": len(encode(render(messages, None))),
+        "concurrency": {},
+    }
+    for c, (direct, through) in phases.items():
+        result["concurrency"][str(c)] = {
+            "direct": direct, "gateway": through,
+            "p50_overhead_ms": through["p50_ms"] - direct["p50_ms"],
+            "p99_overhead_ms": through["p99_ms"] - direct["p99_ms"]}
+    return result

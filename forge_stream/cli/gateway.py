@@ -1,0 +1,36 @@
+"""`forge-stream gateway serve`: run the ingress gateway in front of one or more engines."""
+
+from typing import List, Optional
+
+import typer
+
+from forge_stream.cli.options import BootstrapOption, settings
+
+app = typer.Typer(no_args_is_help=True, help="The OpenAI-compatible ingress gateway.")
+
+
+@app.command("serve")
+def serve(
+    engine: List[str] = typer.Option(..., "--engine", help="Engine base URL (repeat for several engines)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    bootstrap_servers: Optional[str] = BootstrapOption,
+    admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN",
+                                              help="Require bearer tokens (admin routes: this one)."),
+    public_url: Optional[str] = typer.Option(None, help="Base of the URLs handed to agents."),
+    max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
+    max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
+    ack_timeout_ms: int = typer.Option(10_000, help="Kafka acknowledgement timeout (then 503)."),
+    policy_version: int = typer.Option(0, help="Policy version for engines whose responses carry none."),
+) -> None:
+    """Serve the gateway (uvicorn, with uvloop and httptools when installed)."""
+    import uvicorn
+
+    from forge_stream.gateway.app import create_app
+    from forge_stream.gateway.settings import GatewaySettings
+
+    gateway = GatewaySettings(
+        engines=tuple(engine), bootstrap=settings(bootstrap_servers).bootstrap, host=host, port=port,
+        public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
+        ack_timeout_ms=ack_timeout_ms, default_policy_version=policy_version)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,1 @@
+"""The ingress: an OpenAI-compatible gateway that forwards to rollout engines and records every completion."""

@@ -1,0 +1,76 @@
+"""Builds the gateway's FastAPI app: its service in `app.state`, its Kafka producer and engine client for the
+app's lifespan, and OpenAI-style error bodies for every error (including FastAPI's own 404/405/422/500)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+import aiohttp
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from forge_stream.gateway.protocol import GatewayError, error_body
+from forge_stream.gateway.router import router
+from forge_stream.gateway.serving import EventSink, GatewayService
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.kafka.producer import DeliveryError, EventProducer
+
+log = logging.getLogger(__name__)
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error"}
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
+    return Response(error_body(status, message, _KINDS.get(status, "server_error"), param), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> FastAPI:
+    """The gateway app; without `sink` it opens its own idempotent producer to `settings.bootstrap`."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        producer = None
+        if sink is None:
+            producer = EventProducer(settings.bootstrap, **{"message.timeout.ms": settings.ack_timeout_ms,
+                                                            "linger.ms": settings.linger_ms})
+        connector = aiohttp.TCPConnector(limit=settings.engine_connections)
+        timeout = aiohttp.ClientTimeout(total=settings.engine_timeout_s, connect=5.0)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as http:
+            app.state.gateway = GatewayService(settings, sink or producer, http)
+            try:
+                yield
+            finally:
+                if producer is not None:
+                    try:
+                        await asyncio.to_thread(producer.close)
+                    except DeliveryError as exc:
+                        log.warning("gateway producer closed with unacknowledged records: %s", exc)
+
+    app = FastAPI(title="forge-stream gateway", lifespan=lifespan)
+    app.include_router(router)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> Response:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        return _error(422, str(first.get("msg", exc)), ".".join(str(p) for p in first.get("loc", ())) or None)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> Response:
+        log.exception("gateway error")
+        return _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")
+
+    return app

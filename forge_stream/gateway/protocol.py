@@ -1,0 +1,100 @@
+"""Wire models of the gateway's own routes (sessions, rewards, spans, finish) and its OpenAI-style errors.
+
+The OpenAI routes are not modelled here: their bodies are forwarded to the engine as JSON, checked only as much
+as the gateway needs (serving.check_*), so large token arrays are never re-validated on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GatewayError(Exception):
+    """An error answered with OpenAI's body {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 retry_after: int | None = None, raw: bytes | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
+        self.raw = raw  # an engine's own error body, passed through as is
+
+    def body(self) -> bytes:
+        return self.raw if self.raw is not None else error_body(self.status, self.message, self.kind, self.param)
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def invalid(message: str, param: str | None = None) -> GatewayError:
+    """A request that is valid JSON but not a valid request: 422."""
+    return GatewayError(422, message, "invalid_request_error", param)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionCreate(_Model):
+    task_id: str
+    group_id: str
+    metadata: dict[str, str] = Field(default_factory=dict)
+    session_id: str | None = None  # a caller-chosen id (e.g. deterministic from the task); default: random
+
+
+class SessionCreated(_Model):
+    session_id: str
+    base_url: str  # {public url}/s/{session_id}/v1: all an OpenAI client needs
+    path: str  # /s/{session_id}/v1
+    token: str  # the agent's bearer token (only needed when the gateway requires auth)
+    group_id: str
+    task_id: str
+
+
+class RewardIn(_Model):
+    value: float
+    kind: str = "outcome"
+    name: str = "grader"
+    source: str = "grader"
+    turn: int | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SpanIn(_Model):
+    tool_call_id: str | None = None
+    name: str | None = None
+    arguments: Any = None  # JSON text or a JSON value
+    status: Literal["ok", "error"] = "ok"
+    error: str | None = None
+    start_ms: int
+    end_ms: int
+    completion_id: str | None = None
+    agent: str | None = None
+
+
+class SpansIn(_Model):
+    spans: list[SpanIn]
+
+
+class FinishIn(_Model):
+    status: Literal["ok", "error", "timeout", "aborted"] = "ok"
+    reason: str | None = None
+
+
+class Recorded(_Model):
+    """Answer of the event routes: the ids of the events Kafka acknowledged."""
+
+    event_ids: list[str]
+
+
+class SessionView(_Model):
+    session_id: str
+    group_id: str
+    task_id: str
+    status: str
+    turns: int
+    completions: int
+    pending_tool_calls: list[str]

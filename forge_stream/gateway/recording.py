@@ -1,0 +1,211 @@
+"""Pure core of token-in/token-out recording: engine responses (whole or streamed) -> Completion records.
+
+The gateway never tokenizes. It reads the ids and logprobs the engine returned in vLLM's OpenAI fields:
+`prompt_token_ids` on a chat response (on the first stream chunk of each choice), `prompt_token_ids` per choice
+on a completions response, `token_ids` per choice (per chunk: that chunk's new tokens), and logprobs in OpenAI's
+format (chat: `logprobs.content[*].logprob`; completions: `logprobs.token_logprobs`). A choice that lacks any of
+them, or whose logprobs do not line up with its tokens, is recorded as untrainable with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import orjson
+
+from forge_stream.events import deterministic_id
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class ChoiceRecord:
+    """What the engine returned for one choice, as the gateway records it."""
+
+    index: int
+    prompt_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    text: str = ""
+    tool_calls: list[dict] | None = None
+    finish_reason: str | None = None
+    prompt_index: int = 0  # completions API: which prompt of a batched request this choice answers
+
+    def trainability(self) -> tuple[bool, str | None]:
+        if self.prompt_ids is None:
+            return False, "engine returned no prompt_token_ids"
+        if self.token_ids is None:
+            return False, "engine returned no completion token_ids"
+        if self.logprobs is None:
+            return False, "engine returned no logprobs"
+        if len(self.logprobs) != len(self.token_ids):
+            return False, f"engine returned {len(self.logprobs)} logprobs for {len(self.token_ids)} tokens"
+        return True, None
+
+
+def _chat_logprobs(logprobs: dict | None) -> list[float] | None:
+    content = (logprobs or {}).get("content")
+    return None if content is None else [entry["logprob"] for entry in content]
+
+
+def _completion_logprobs(logprobs: dict | None) -> list[float] | None:
+    values = (logprobs or {}).get("token_logprobs")
+    return None if values is None else [-9999.0 if v is None else v for v in values]
+
+
+def chat_choices(response: dict) -> list[ChoiceRecord]:
+    """Choices of a non-streamed chat response."""
+    prompt = response.get("prompt_token_ids")
+    out = []
+    for choice in response.get("choices") or []:
+        message = choice.get("message") or {}
+        out.append(ChoiceRecord(
+            index=choice.get("index", len(out)), prompt_ids=prompt, token_ids=choice.get("token_ids"),
+            logprobs=_chat_logprobs(choice.get("logprobs")), text=message.get("content") or "",
+            tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason")))
+    return out
+
+
+def completion_choices(response: dict, n: int) -> list[ChoiceRecord]:
+    """Choices of a non-streamed completions response (`n` choices per prompt, indexed prompt * n + j)."""
+    out = []
+    for choice in response.get("choices") or []:
+        index = choice.get("index", len(out))
+        out.append(ChoiceRecord(
+            index=index, prompt_ids=choice.get("prompt_token_ids"), token_ids=choice.get("token_ids"),
+            logprobs=_completion_logprobs(choice.get("logprobs")), text=choice.get("text") or "",
+            finish_reason=choice.get("finish_reason"), prompt_index=index // max(n, 1)))
+    return out
+
+
+@dataclass
+class StreamAccumulator:
+    """Folds SSE chunks (already JSON-decoded) into per-choice records; notes when the first token came."""
+
+    kind: Kind
+    n: int = 1
+    first_token_ms: int | None = None
+    policy_version: int | None = None
+    model: str | None = None
+    choices: dict[int, ChoiceRecord] = field(default_factory=dict)
+    _text: dict[int, list[str]] = field(default_factory=dict)
+    _calls: dict[int, dict[int, dict]] = field(default_factory=dict)
+
+    def feed(self, chunk: dict, now_ms: int) -> None:
+        if chunk.get("policy_version") is not None:
+            self.policy_version = chunk["policy_version"]
+        self.model = chunk.get("model", self.model)
+        response_prompt = chunk.get("prompt_token_ids")
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            record = self.choices.get(index)
+            if record is None:
+                record = self.choices[index] = ChoiceRecord(index=index, prompt_index=index // max(self.n, 1))
+                self._text[index] = []
+            prompt = choice.get("prompt_token_ids", response_prompt)
+            if prompt is not None:
+                record.prompt_ids = prompt
+            ids = choice.get("token_ids")
+            if ids:
+                record.token_ids = (record.token_ids or []) + ids
+                if self.first_token_ms is None:
+                    self.first_token_ms = now_ms
+            lps = (_chat_logprobs if self.kind == "chat" else _completion_logprobs)(choice.get("logprobs"))
+            if lps:
+                record.logprobs = (record.logprobs or []) + lps
+            text = (choice.get("delta") or {}).get("content") if self.kind == "chat" else choice.get("text")
+            if text:
+                self._text[index].append(text)
+                if self.first_token_ms is None:
+                    self.first_token_ms = now_ms
+            for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                self._merge_call(index, delta)
+            if choice.get("finish_reason") is not None:
+                record.finish_reason = choice["finish_reason"]
+
+    def _merge_call(self, index: int, delta: dict) -> None:
+        calls = self._calls.setdefault(index, {})
+        call = calls.setdefault(delta.get("index", len(calls)),
+                                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        function = delta.get("function") or {}
+        if function.get("name"):
+            call["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            call["function"]["arguments"] += function["arguments"]
+
+    def results(self) -> list[ChoiceRecord]:
+        out = []
+        for index in sorted(self.choices):
+            record = self.choices[index]
+            record.text = "".join(self._text[index])
+            calls = self._calls.get(index)
+            record.tool_calls = [calls[k] for k in sorted(calls)] if calls else None
+            out.append(record)
+        return out
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who asked and when: everything a Completion record needs besides the engine's answer."""
+
+    session_id: str
+    group_id: str
+    task_id: str
+    request_id: str
+    agent: str
+    received_ms: int
+    kind: Kind
+    messages_json: str  # chat: the messages; completions: the prompt(s)
+    tools_json: str | None
+
+
+def dumps(value) -> str:
+    return orjson.dumps(value).decode()
+
+
+def prompt_json(ctx: RequestContext, choice: ChoiceRecord) -> str:
+    """The request input this choice answers: all messages (chat) or its own prompt (batched completions)."""
+    if ctx.kind == "chat":
+        return ctx.messages_json
+    prompts = orjson.loads(ctx.messages_json)
+    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+        return dumps(prompts[min(choice.prompt_index, len(prompts) - 1)])
+    return ctx.messages_json
+
+
+def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, model: str, engine_id: str,
+                      policy_version: int, first_token_ms: int | None, done_ms: int) -> dict:
+    """The Completion event of one choice."""
+    trainable, reason = choice.trainability()
+    completion_id = deterministic_id("completion", ctx.session_id, ctx.request_id, choice.index)
+    return {
+        "event_id": completion_id,
+        "event_time": done_ms,
+        "completion_id": completion_id,
+        "session_id": ctx.session_id,
+        "group_id": ctx.group_id,
+        "task_id": ctx.task_id,
+        "turn": turn,
+        "choice_index": choice.index,
+        "request_id": ctx.request_id,
+        "model": model,
+        "engine_id": engine_id,
+        "policy_version": policy_version,
+        "prompt_token_ids": choice.prompt_ids or [],
+        "completion_token_ids": choice.token_ids or [],
+        "completion_logprobs": choice.logprobs or [],
+        "messages_json": prompt_json(ctx, choice),
+        "tools_json": ctx.tools_json,
+        "output_text": choice.text,
+        "tool_calls_json": dumps(choice.tool_calls) if choice.tool_calls else None,
+        "finish_reason": choice.finish_reason or "unknown",
+        "trainable": trainable,
+        "untrainable_reason": reason,
+        "received_ms": ctx.received_ms,
+        "first_token_ms": first_token_ms,
+        "done_ms": done_ms,
+        "agent": ctx.agent,
+    }

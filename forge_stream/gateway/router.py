@@ -1,0 +1,192 @@
+"""The gateway's HTTP surface: thin FastAPI routes over the GatewayService kept in `app.state.gateway`.
+
+Agents: `/s/{session_id}/v1/chat/completions`, `/s/{session_id}/v1/completions`, `/s/{session_id}/v1/models`, or
+the same under `/v1/...` with the session named by `X-Forge-Session` (or by the agent's own bearer token).
+`X-Forge-Agent` names which agent of a multi-agent rollout asked. Controllers and graders: `POST /v1/sessions`,
+`GET /v1/sessions/{id}`, `POST /v1/sessions/{id}/reward`, `/spans`, `/finish`.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from forge_stream.gateway.protocol import (
+    FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
+)
+from forge_stream.gateway.serving import GatewayService
+from forge_stream.gateway.sessions import Session
+
+router = APIRouter()
+JSON = "application/json"
+
+
+def _service(request: Request) -> GatewayService:
+    return request.app.state.gateway
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON: 413 past `limit` bytes (checked while reading), 400 if it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"Request body of {declared} bytes is over the limit of {limit} bytes.",
+                           "invalid_request_error")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"Request body is over the limit of {limit} bytes.", "invalid_request_error")
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"The request body is not valid JSON: {exc}", "invalid_request_error") from exc
+
+
+async def read_model(request: Request, model: type[BaseModel]):
+    body = await read_json(request, _service(request).settings.max_request_bytes)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise invalid(f"{first['msg']}: {'.'.join(str(p) for p in first['loc'])}",
+                      ".".join(str(p) for p in first["loc"]) or None) from exc
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if header and header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return None
+
+
+def _unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, "authentication_error")
+
+
+def require_admin(request: Request) -> None:
+    settings = _service(request).settings
+    token = _bearer(request)
+    if settings.auth and not (token and hmac.compare_digest(token, settings.admin_token)):
+        raise _unauthorized("This route needs the admin token (Authorization: Bearer ...).")
+
+
+def agent_session(request: Request, session_id: str | None) -> Session:
+    """The session an agent's call belongs to (path, X-Forge-Session, or its token), checking its token."""
+    service = _service(request)
+    settings = service.settings
+    token = _bearer(request)
+    is_admin = bool(settings.auth and token and hmac.compare_digest(token, settings.admin_token))
+    owner = service.sessions.by_token(token) if token else None
+    if settings.auth and not (is_admin or owner):
+        raise _unauthorized("A session token or the admin token is needed (Authorization: Bearer ...).")
+    session_id = session_id or request.headers.get("x-forge-session")
+    if session_id is None:
+        if owner is None:
+            raise GatewayError(404, "No session named: call /s/{session_id}/v1/... or set X-Forge-Session.",
+                               "not_found_error", "session_id")
+        return owner
+    session = service.sessions.get(session_id)
+    if settings.auth and not is_admin and owner is not session:
+        raise GatewayError(403, "This token belongs to another session.", "permission_error", "session_id")
+    return session
+
+
+def _admin_session(request: Request, session_id: str) -> Session:
+    require_admin(request)
+    return _service(request).sessions.get(session_id)
+
+
+async def _complete(request: Request, session_id: str | None, kind: str) -> Response:
+    session = agent_session(request, session_id)
+    service = _service(request)
+    body = await read_json(request, service.settings.max_request_bytes)
+    result = await service.complete(session, kind, body, request.headers.get("x-forge-agent", ""))
+    if isinstance(result, bytes):
+        return Response(result, media_type=JSON)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@router.post("/s/{session_id}/v1/chat/completions")
+async def session_chat(session_id: str, request: Request) -> Response:
+    return await _complete(request, session_id, "chat")
+
+
+@router.post("/s/{session_id}/v1/completions")
+async def session_completions(session_id: str, request: Request) -> Response:
+    return await _complete(request, session_id, "completion")
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    return await _complete(request, None, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _complete(request, None, "completion")
+
+
+async def _models(request: Request) -> Response:
+    return Response(await _service(request).models(), media_type=JSON)
+
+
+@router.get("/s/{session_id}/v1/models")
+async def session_models(session_id: str, request: Request) -> Response:
+    agent_session(request, session_id)
+    return await _models(request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    settings = _service(request).settings
+    token = _bearer(request)
+    if settings.auth and not (token and (hmac.compare_digest(token, settings.admin_token)
+                                         or _service(request).sessions.by_token(token))):
+        raise _unauthorized("A session token or the admin token is needed (Authorization: Bearer ...).")
+    return await _models(request)
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    service = _service(request)
+    return {"status": "ok", "sessions": len(service.sessions),
+            "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
+
+
+@router.post("/v1/sessions", status_code=201)
+async def open_session(request: Request) -> Response:
+    require_admin(request)
+    created = await _service(request).open_session(await read_model(request, SessionCreate), str(request.base_url))
+    return Response(created.model_dump_json(), status_code=201, media_type=JSON)
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    session = _admin_session(request, session_id)
+    return Response(_service(request).view(session).model_dump_json(), media_type=JSON)
+
+
+@router.post("/v1/sessions/{session_id}/reward")
+async def reward(session_id: str, request: Request) -> Response:
+    session = _admin_session(request, session_id)
+    ids = await _service(request).reward(session, await read_model(request, RewardIn))
+    return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
+
+
+@router.post("/v1/sessions/{session_id}/spans")
+async def spans(session_id: str, request: Request) -> Response:
+    session = agent_session(request, session_id)
+    ids = await _service(request).post_spans(session, await read_model(request, SpansIn))
+    return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
+
+
+@router.post("/v1/sessions/{session_id}/finish")
+async def finish(session_id: str, request: Request) -> Response:
+    session = _admin_session(request, session_id)
+    ids = await _service(request).finish(session, await read_model(request, FinishIn))
+    return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)

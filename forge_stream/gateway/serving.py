@@ -1,0 +1,320 @@
+"""The gateway's logic, without FastAPI: sessions, forwarding to engines, and recording every event to Kafka.
+
+A caller's answer always waits for Kafka: a completion's body (or a stream's final `data: [DONE]`) is sent only
+after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
+not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
+session's state (turn counter, pending tool calls) is rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol
+
+import aiohttp
+import orjson
+
+from forge_stream.events import new_event_id, now_ms
+from forge_stream.gateway.engines import Engine, EnginePool
+from forge_stream.gateway.protocol import (
+    FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, invalid,
+)
+from forge_stream.gateway.recording import (
+    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, completion_choices, completion_record, dumps,
+)
+from forge_stream.gateway.sessions import Session, SessionStore
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.gateway.spans import (
+    PendingCall, SessionKeys, answered_calls, explicit_span, inferred_span, pending_calls,
+)
+from forge_stream.topics import TOPICS, Topic
+
+_JSON = {"content-type": "application/json"}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class EventSink(Protocol):
+    """Where events go; `send` resolves once the event is durable (EventProducer is the real one)."""
+
+    def send(self, topic: Topic, key: str, record: dict, schema: str | None = None) -> Awaitable[int]: ...
+
+
+def check_request(kind: Kind, body) -> int:
+    """Check what the gateway relies on in an OpenAI request body; returns n."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid("'messages' must be a non-empty list of messages.", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise invalid(f"messages[{i}] must be an object with a string 'role'.", f"messages.{i}")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise invalid("'tools' must be a list.", "tools")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise invalid("'prompt' must be a string, a list of strings or a list of token ids.", "prompt")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        raise invalid("'n' must be an integer from 1 to 128.", "n")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise invalid("'stream' must be a boolean.", "stream")
+    return n
+
+
+def upstream_body(kind: Kind, body: dict) -> bytes:
+    """The request as forwarded: always asking for token ids and the sampled tokens' logprobs."""
+    forwarded = dict(body)
+    forwarded["return_token_ids"] = True
+    if kind == "chat":
+        forwarded["logprobs"] = True
+    elif forwarded.get("logprobs") is None:
+        forwarded["logprobs"] = 0
+    return orjson.dumps(forwarded)
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None
+
+
+class GatewayService:
+    def __init__(self, settings: GatewaySettings, sink: EventSink, http: aiohttp.ClientSession):
+        self.settings = settings
+        self.sink = sink
+        self.http = http
+        self.sessions = SessionStore()
+        self.pool = EnginePool(settings.engines, settings.max_queue)
+
+    def unavailable(self, message: str) -> GatewayError:
+        return GatewayError(503, message, "service_unavailable", retry_after=self.settings.retry_after_s)
+
+    async def publish(self, items: list[tuple[Topic, str, dict, str | None]]) -> None:
+        """Send every event and wait until Kafka acknowledged all of them; 503 if any was not."""
+        futures = []
+        error: BaseException | None = None
+        for topic, key, record, schema in items:
+            try:
+                futures.append(self.sink.send(topic, key, record, schema))
+            except BufferError as exc:  # librdkafka's local queue is full: Kafka is not keeping up
+                error = exc
+                break
+        timeout = self.settings.ack_timeout_ms / 1000 + 5
+        results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
+        error = error or next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise self.unavailable(f"Kafka did not acknowledge the events, so nothing was recorded: {error}")
+
+    # ----- sessions --------------------------------------------------------------------------------------
+
+    async def open_session(self, request: SessionCreate, public_base: str) -> SessionCreated:
+        session_id = request.session_id or new_event_id()
+        if session_id in self.sessions:
+            raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
+        session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
+        path = f"/s/{session_id}/v1"
+        base_url = (self.settings.public_url or public_base).rstrip("/") + path
+        await self.publish([(TOPICS.sessions, request.group_id, {
+            "event_id": new_event_id(), "event_time": now_ms(), "session_id": session_id,
+            "group_id": request.group_id, "task_id": request.task_id, "base_url": base_url,
+            "metadata": request.metadata}, "SessionStarted")])
+        self.sessions.add(session)
+        return SessionCreated(session_id=session_id, base_url=base_url, path=path, token=session.token,
+                              group_id=request.group_id, task_id=request.task_id)
+
+    def view(self, session: Session) -> SessionView:
+        return SessionView(session_id=session.id, group_id=session.keys.group_id, task_id=session.keys.task_id,
+                           status=session.status, turns=session.turns, completions=session.completions,
+                           pending_tool_calls=sorted(session.pending))
+
+    async def reward(self, session: Session, reward: RewardIn) -> list[str]:
+        keys = session.keys
+        record = {"event_id": new_event_id(), "event_time": now_ms(), "group_id": keys.group_id,
+                  "task_id": keys.task_id, "session_id": keys.session_id, **reward.model_dump()}
+        await self.publish([(TOPICS.rewards, keys.group_id, record, None)])
+        return [record["event_id"]]
+
+    async def post_spans(self, session: Session, posted: SpansIn) -> list[str]:
+        session.require_open()
+        now = now_ms()
+        records, replaced = [], []
+        for span in posted.spans:
+            call = session.pending.get(span.tool_call_id or "")
+            records.append(explicit_span(session.keys, span.model_dump(), call, now))
+            if call is not None:
+                replaced.append(call)
+        session.take_answered(replaced)
+        try:
+            await self.publish([(TOPICS.tool_spans, session.keys.group_id, r, None) for r in records])
+        except GatewayError:
+            session.restore(replaced)
+            raise
+        session.explicit.update(s.tool_call_id for s in posted.spans if s.tool_call_id)
+        return [r["event_id"] for r in records]
+
+    async def finish(self, session: Session, request: FinishIn) -> list[str]:
+        session.require_open()
+        session.status = "finishing"
+        keys = session.keys
+        record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,
+                  "group_id": keys.group_id, "task_id": keys.task_id, "status": request.status,
+                  "num_completions": session.completions, "reason": request.reason}
+        try:
+            await self.publish([(TOPICS.sessions, keys.group_id, record, "SessionFinished")])
+        except GatewayError:
+            session.status = "open"
+            raise
+        session.status = "finished"
+        session.pending.clear()
+        return [record["event_id"]]
+
+    # ----- engines ---------------------------------------------------------------------------------------
+
+    async def _send(self, group_id: str, method: str, path: str,
+                    payload: bytes | None) -> tuple[aiohttp.ClientResponse, Engine]:
+        """Send to the group's engine (another one if it refuses connections); the engine's in-flight count is
+        raised, and the caller lowers it (and releases the response) when the response is done."""
+        failures = []
+        for engine in self.pool.order(group_id):
+            engine.in_flight += 1
+            try:
+                response = await self.http.request(method, engine.url + path, data=payload,
+                                                   headers=_JSON if payload is not None else None)
+                return response, engine
+            except aiohttp.ClientConnectorError as exc:
+                engine.in_flight -= 1
+                failures.append(f"{engine.url}: {exc}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                engine.in_flight -= 1
+                raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
+        raise self.unavailable("No engine is reachable: " + "; ".join(failures))
+
+    async def _read(self, response: aiohttp.ClientResponse, engine: Engine) -> bytes:
+        """The whole body of a response from `engine`; 503 if the engine breaks off."""
+        try:
+            return await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            response.release()
+            engine.in_flight -= 1
+
+    async def models(self) -> bytes:
+        response, engine = await self._send("", "GET", "/v1/models", None)
+        content = await self._read(response, engine)
+        if response.status != 200:
+            raise GatewayError(response.status, "engine error", "engine_error", raw=content)
+        return content
+
+    # ----- completions -----------------------------------------------------------------------------------
+
+    async def complete(self, session: Session, kind: Kind, body, agent: str) -> bytes | AsyncIterator[bytes]:
+        """Forward one OpenAI request of `session`; returns the response body, or an SSE byte stream."""
+        received = now_ms()
+        session.require_open()
+        n = check_request(kind, body)
+        answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
+        session.take_answered([call for call, _ in answered])
+        spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
+        taken = [call for call, _ in answered]
+        keys = session.keys
+        ctx = RequestContext(
+            session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
+            agent=agent, received_ms=received, kind=kind,
+            messages_json=dumps(body["messages"] if kind == "chat" else body["prompt"]),
+            tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None)
+        stream = bool(body.get("stream"))
+        try:
+            response, engine = await self._send(keys.group_id, "POST", PATHS[kind], upstream_body(kind, body))
+            if not stream or response.status != 200:
+                content = await self._read(response, engine)
+                if response.status != 200:
+                    raise GatewayError(response.status, "engine error", "engine_error", raw=content)
+        except BaseException:
+            session.restore(taken)
+            raise
+        if stream:
+            return self._relay(session, ctx, response, engine, n, spans, taken)
+        done = now_ms()
+        data = orjson.loads(content)
+        choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
+        try:
+            await self._record(session, ctx, choices, engine, data.get("model") or body.get("model") or "",
+                               data.get("policy_version"), None, done, spans)
+        except BaseException:
+            session.restore(taken)
+            raise
+        return content
+
+    async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
+                      model: str, policy_version: int | None, first_token_ms: int | None, done: int,
+                      spans: list[dict]) -> None:
+        turn = session.turns
+        session.turns += 1
+        version = self.settings.default_policy_version if policy_version is None else policy_version
+        records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url, policy_version=version,
+                                     first_token_ms=first_token_ms, done_ms=done) for c in choices]
+        group = ctx.group_id
+        try:
+            await self.publish([(TOPICS.completions, group, r, None) for r in records]
+                               + [(TOPICS.tool_spans, group, s, None) for s in spans])
+        except BaseException:
+            if session.turns == turn + 1:
+                session.turns = turn
+            raise
+        session.completions += len(records)
+        for choice, record in zip(choices, records):
+            session.add_pending(pending_calls(choice.tool_calls, issued_ms=done,
+                                              completion_id=record["completion_id"], agent=ctx.agent))
+
+    async def _relay(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
+                     engine: Engine, n: int, spans: list[dict], taken: list[PendingCall]) -> AsyncIterator[bytes]:
+        """Forward the engine's SSE events as they come; record, then send [DONE] (or an error event)."""
+        acc = StreamAccumulator(ctx.kind, n)
+        buffer, done, engine_error = b"", False, False
+        try:
+            async for raw in response.content.iter_any():
+                buffer += raw
+                while not done and (cut := buffer.find(b"\n\n")) >= 0:
+                    event, buffer = buffer[:cut + 2], buffer[cut + 2:]
+                    data = _sse_data(event)
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    if data:
+                        chunk = orjson.loads(data)
+                        if "error" in chunk:
+                            engine_error = True
+                        else:
+                            acc.feed(chunk, now_ms())
+                    yield event
+                if done:
+                    break
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            done = False
+        finally:
+            response.release()
+            engine.in_flight -= 1
+            if not done or engine_error:
+                session.restore(taken)
+        if engine_error:
+            yield b"data: [DONE]\n\n"
+            return
+        if not done:
+            yield b"data: " + self.unavailable("The engine ended the stream early; nothing was recorded.").body()
+            yield b"\n\n"
+            return
+        try:
+            await self._record(session, ctx, acc.results(), engine, acc.model or "", acc.policy_version,
+                               acc.first_token_ms, now_ms(), spans)
+        except GatewayError as exc:
+            session.restore(taken)
+            yield b"data: " + exc.body() + b"\n\n"
+            return
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,77 @@
+"""Session state kept in the gateway process: open/finished, turn counter, pending tool calls, agent token.
+
+It lives in memory: a restart loses the open sessions (their later calls get 404) and their pending tool calls
+(those spans are not inferred), but never an event already acknowledged, since those are in Kafka.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.spans import PendingCall, SessionKeys
+
+
+@dataclass
+class Session:
+    keys: SessionKeys
+    token: str
+    metadata: dict[str, str]
+    status: str = "open"  # open, finishing, finished
+    turns: int = 0  # requests recorded (a request with n choices is one turn)
+    completions: int = 0  # Completion events recorded
+    pending: dict[str, PendingCall] = field(default_factory=dict)
+    explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
+
+    @property
+    def id(self) -> str:
+        return self.keys.session_id
+
+    def require_open(self) -> None:
+        if self.status != "open":
+            raise GatewayError(409, f"Session {self.id} is {self.status}; it takes no more calls.",
+                               "invalid_request_error", "session_id")
+
+    def take_answered(self, calls: list[PendingCall]) -> None:
+        for call in calls:
+            self.pending.pop(call.tool_call_id, None)
+
+    def restore(self, calls: list[PendingCall]) -> None:
+        for call in calls:
+            self.pending.setdefault(call.tool_call_id, call)
+
+    def add_pending(self, calls: list[PendingCall]) -> None:
+        for call in calls:
+            if call.tool_call_id not in self.explicit:
+                self.pending[call.tool_call_id] = call
+
+
+class SessionStore:
+    def __init__(self):
+        self._sessions: dict[str, Session] = {}
+        self._by_token: dict[str, str] = {}
+
+    def new(self, keys: SessionKeys, metadata: dict[str, str]) -> Session:
+        return Session(keys, "fs-" + secrets.token_urlsafe(24), metadata)
+
+    def add(self, session: Session) -> None:
+        self._sessions[session.id] = session
+        self._by_token[session.token] = session.id
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise GatewayError(404, f"Session {session_id!r} does not exist (create it with POST /v1/sessions).",
+                               "not_found_error", "session_id")
+        return session
+
+    def by_token(self, token: str) -> Session | None:
+        session_id = self._by_token.get(token)
+        return self._sessions.get(session_id) if session_id else None
+
+    def __len__(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,33 @@
+"""Settings of one gateway process, built once at the entry point (CLI or test) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """`engines` are OpenAI base URLs without `/v1` (e.g. http://127.0.0.1:8100); `bootstrap` is Kafka's.
+
+    With `admin_token` set, auth is on: session, reward and finish routes need the admin token, and an agent's
+    calls need its session token (returned when the session is created), which reaches only that session.
+    """
+
+    engines: tuple[str, ...]
+    bootstrap: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None  # base of the URLs handed to agents; default: the URL the caller used
+    admin_token: str | None = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    engine_timeout_s: float = 600.0
+    engine_connections: int = 512
+    max_queue: int = 32  # in-flight requests on a group's engine before its requests go elsewhere
+    ack_timeout_ms: int = 10_000  # Kafka delivery timeout; past it the caller gets 503 and nothing is recorded
+    linger_ms: float = 2.0  # producer batching: more acks per Kafka request vs latency at low load
+    retry_after_s: int = 2
+    default_policy_version: int = 0  # for engines (vLLM) whose responses carry no policy_version
+
+    @property
+    def auth(self) -> bool:
+        return self.admin_token is not None

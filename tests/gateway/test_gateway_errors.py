@@ -1,0 +1,112 @@
+"""Errors are OpenAI-style bodies with the right status; Kafka or engine trouble is 503 and records nothing."""
+
+import httpx
+import pytest
+
+from forge_stream.gateway.app import create_app
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.topics import TOPICS
+
+from conftest import ADMIN, open_session, read_events, serving
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+def test_bad_requests_get_openai_errors(gateway_url, run_id):
+    session = open_session(gateway_url, run_id)
+    url = session["base_url"]
+    _error(httpx.post(f"{gateway_url}/s/nope/v1/chat/completions", json=HI), 404)
+    _error(httpx.post(f"{gateway_url}/v1/chat/completions", json=HI), 404)  # no session named
+    _error(httpx.post(f"{url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+           400)
+    assert _error(httpx.post(f"{url}/chat/completions", json={"messages": []}), 422)["param"] == "messages"
+    assert _error(httpx.post(f"{url}/chat/completions", json={**HI, "n": 0}), 422)["param"] == "n"
+    _error(httpx.post(f"{gateway_url}/v1/sessions", json={"group_id": "g"}), 422)
+    _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": "x"}), 422)
+    _error(httpx.get(f"{gateway_url}/no/such/route"), 404)
+    big = {"messages": [{"role": "user", "content": "x" * 9_000_000}]}
+    _error(httpx.post(f"{url}/chat/completions", json=big), 413)
+    assert httpx.get(f"{url}/models").json()["data"][0]["id"] == "scripted"
+
+
+def test_engine_down_is_503_with_retry_after(make_gateway, run_id):
+    with make_gateway(engines=(f"http://127.0.0.1:{free_port()}",)) as gateway:
+        session = open_session(gateway, run_id)
+        response = httpx.post(f"{session['base_url']}/chat/completions", json=HI)
+        _error(response, 503)
+        assert int(response.headers["retry-after"]) > 0
+        view = httpx.get(f"{gateway}/v1/sessions/{session['session_id']}").json()
+        assert view["turns"] == 0 and view["completions"] == 0
+
+
+def test_kafka_unreachable_at_session_start_is_503(make_gateway, scripted_url, run_id):
+    with make_gateway(engines=(scripted_url,), bootstrap=f"127.0.0.1:{free_port()}", ack_timeout_ms=1500) as gw:
+        response = httpx.post(f"{gw}/v1/sessions", json={"group_id": run_id, "task_id": "t"})
+        _error(response, 503)
+        assert "retry-after" in response.headers
+        _error(httpx.post(f"{gw}/s/any/v1/chat/completions", json=HI), 404)
+
+
+class SwitchableSink:
+    """The real producer, or (while `down`) a real producer whose bootstrap has no broker behind it."""
+
+    def __init__(self, bootstrap: str):
+        self.up = EventProducer(bootstrap)
+        self.dead = EventProducer(f"127.0.0.1:{free_port()}", **{"message.timeout.ms": 1500})
+        self.down = False
+
+    def send(self, *args, **kwargs):
+        return (self.dead if self.down else self.up).send(*args, **kwargs)
+
+
+@pytest.fixture
+def switchable(kafka_bootstrap, scripted_url):
+    sink = SwitchableSink(kafka_bootstrap)
+    settings = GatewaySettings(engines=(scripted_url,), bootstrap=kafka_bootstrap, ack_timeout_ms=1500)
+    with serving(create_app(settings, sink=sink)) as gateway:
+        yield gateway, sink
+    sink.up.close()
+    sink.dead.close()
+
+
+def test_kafka_down_mid_session_answers_503_and_rolls_the_turn_back(kafka_bootstrap, switchable, run_id):
+    gateway, sink = switchable
+    session = open_session(gateway, run_id)
+    sink.down = True
+    response = httpx.post(f"{session['base_url']}/chat/completions", json=HI)
+    _error(response, 503)
+    assert "retry-after" in response.headers
+    lines = []
+    with httpx.stream("POST", f"{session['base_url']}/chat/completions", json={**HI, "stream": True}) as stream:
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] != "data: [DONE]" and '"code":503' in lines[-1]
+    sink.down = False
+    assert httpx.post(f"{session['base_url']}/chat/completions", json=HI).status_code == 200
+    records = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == session["session_id"])
+    assert [r["turn"] for r in records] == [0]
+
+
+def test_auth_session_tokens_reach_only_their_session(make_gateway, scripted_url, run_id):
+    with make_gateway(engines=(scripted_url,), admin_token=ADMIN) as gateway:
+        _error(httpx.post(f"{gateway}/v1/sessions", json={"group_id": run_id, "task_id": "t"}), 401)
+        mine = open_session(gateway, run_id, token=ADMIN)
+        other = open_session(gateway, run_id, token=ADMIN)
+        as_me = {"Authorization": f"Bearer {mine['token']}"}
+        _error(httpx.post(f"{mine['base_url']}/chat/completions", json=HI), 401)
+        _error(httpx.post(f"{other['base_url']}/chat/completions", json=HI, headers=as_me), 403)
+        _error(httpx.post(f"{gateway}/v1/sessions/{mine['session_id']}/finish", json={}, headers=as_me), 401)
+        assert httpx.post(f"{mine['base_url']}/chat/completions", json=HI, headers=as_me).status_code == 200
+        # the token alone names the session
+        assert httpx.post(f"{gateway}/v1/chat/completions", json=HI, headers=as_me).status_code == 200
+        view = httpx.get(f"{gateway}/v1/sessions/{mine['session_id']}",
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert view["turns"] == 2

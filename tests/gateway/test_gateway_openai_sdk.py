@@ -1,0 +1,176 @@
+"""The official `openai` SDK, unmodified, drives the gateway in front of the local engine (tiny model) and in front
+of the fake `vllm serve`; the Completion events read back from the real broker hold exactly the engine's tokens."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.kafka.broker import free_port
+from forge_stream.topics import TOPICS
+
+from conftest import open_session, read_events
+
+FAKE_VLLM = Path(__file__).parents[1] / "fakes" / "vllm_server.py"
+TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gw_tiny") / "model"
+    init_tiny_model(out, TinyModelSpec(seed=0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def engine_gateway(tiny_dir, kafka_bootstrap, tmp_path_factory):
+    from conftest import serving
+    from forge_stream.gateway.app import create_app
+
+    log = tmp_path_factory.mktemp("gw_engine") / "engine.log"
+    with EngineProcess(str(tiny_dir), log_path=log) as engine, \
+            serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def vllm_gateway(tiny_dir, kafka_bootstrap):
+    from conftest import serving
+    from forge_stream.gateway.app import create_app
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(tiny_dir), "--port", str(port),
+                             "--reply", "Hello there, agent.", "--reply", TOOL_REPLY])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        settings = GatewaySettings(engines=(url,), bootstrap=kafka_bootstrap, default_policy_version=3)
+        with serving(create_app(settings)) as gateway:
+            yield gateway, url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _client(session) -> OpenAI:
+    return OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+
+
+def _records(bootstrap, session_id):
+    return sorted(read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == session_id),
+                  key=lambda r: (r["turn"], r["choice_index"]))
+
+
+def _template(tokenizer, messages, tools=None):
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def test_sdk_chat_stream_and_n_through_the_local_engine(kafka_bootstrap, engine_gateway, tokenizer, run_id):
+    session = open_session(engine_gateway, run_id)
+    client = _client(session)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0.0)
+    both = client.chat.completions.create(model=model, messages=messages, max_tokens=8, n=2, seed=1)
+    streamed_text = ""
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=10, stream=True):
+        streamed_text += "".join(c.delta.content or "" for c in chunk.choices)
+    with_tools = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=6)
+
+    records = _records(kafka_bootstrap, session["session_id"])
+    assert [(r["turn"], r["choice_index"]) for r in records] == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)]
+    expected_prompt = tokenizer.encode(_template(tokenizer, messages), add_special_tokens=False)
+    texts = [plain.choices[0].message.content, both.choices[0].message.content, both.choices[1].message.content,
+             streamed_text]
+    for record, text in zip(records, texts):
+        assert record["trainable"], record["untrainable_reason"]
+        assert record["prompt_token_ids"] == expected_prompt
+        assert tokenizer.decode(record["completion_token_ids"], skip_special_tokens=True) == text
+        assert len(record["completion_logprobs"]) == len(record["completion_token_ids"])
+        assert all(lp <= 0 for lp in record["completion_logprobs"])
+        assert record["policy_version"] == 0 and record["model"] == model
+    assert records[3]["first_token_ms"] is not None
+    tool_record = records[4]
+    assert orjson.loads(tool_record["tools_json"]) == TOOLS
+    assert tool_record["prompt_token_ids"] == tokenizer.encode(_template(tokenizer, messages, TOOLS),
+                                                               add_special_tokens=False)
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_rewritten_history_is_recorded_with_the_exact_prompt_of_each_turn(kafka_bootstrap, engine_gateway,
+                                                                          tokenizer, run_id):
+    session = open_session(engine_gateway, run_id)
+    client = _client(session)
+    model = client.models.list().data[0].id
+    sent = []
+    history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "First question?"}]
+    for turn in range(3):
+        if turn == 2:  # the agent drops its old turns and inserts a summary
+            history = [{"role": "system", "content": "You are terse."},
+                       {"role": "user", "content": "Summary of earlier turns: two questions were answered."},
+                       {"role": "user", "content": "Last question?"}]
+        sent.append(list(history))
+        reply = client.chat.completions.create(model=model, messages=history, max_tokens=6)
+        history = history + [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": f"Follow-up {turn}?"}]
+    records = _records(kafka_bootstrap, session["session_id"])
+    assert [r["turn"] for r in records] == [0, 1, 2]
+    for record, messages in zip(records, sent):
+        assert orjson.loads(record["messages_json"]) == messages
+        assert record["prompt_token_ids"] == tokenizer.encode(_template(tokenizer, messages),
+                                                              add_special_tokens=False)
+    assert records[1]["prompt_token_ids"][:len(records[0]["prompt_token_ids"])] == records[0]["prompt_token_ids"]
+    assert records[2]["prompt_token_ids"][:len(records[0]["prompt_token_ids"])] != records[0]["prompt_token_ids"]
+
+
+def test_sdk_through_the_gateway_to_fake_vllm(kafka_bootstrap, vllm_gateway, tokenizer, run_id):
+    gateway, vllm = vllm_gateway
+    session = open_session(gateway, run_id)
+    client = _client(session)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    replies = {"Hello there, agent.", TOOL_REPLY}
+    call = next((c.message.tool_calls for r in (first, second) for c in r.choices if c.message.tool_calls), None)
+    assert call is not None and call[0].function.name == "get_weather"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, stream=True) if c.choices)
+    assert streamed in replies
+
+    forwarded = httpx.get(f"{vllm}/fake/requests").json()[-3:]
+    assert all(r["return_token_ids"] is True and r["logprobs"] is True for r in forwarded)
+    records = _records(kafka_bootstrap, session["session_id"])
+    assert len(records) == 3
+    eos = tokenizer.eos_token_id
+    for record, tools in zip(records, (TOOLS, TOOLS, None)):
+        assert record["trainable"] and record["policy_version"] == 3
+        assert record["prompt_token_ids"] == tokenizer.encode(_template(tokenizer, messages, tools),
+                                                              add_special_tokens=False)
+        ids = record["completion_token_ids"]
+        assert ids[-1] == eos and tokenizer.decode(ids, skip_special_tokens=True) in replies
+        assert all(abs(lp + 0.05 + 0.01 * (t % 97)) < 1e-6 for lp, t in zip(record["completion_logprobs"], ids))
+    tool_record = next(r for r in records if r["tool_calls_json"])
+    assert tool_record["finish_reason"] == "tool_calls"
+    assert orjson.loads(tool_record["tool_calls_json"])[0]["function"]["name"] == "get_weather"
