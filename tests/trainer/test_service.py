@@ -26,7 +26,9 @@ def _publish_groups(bootstrap, run_id, n):
     for i in range(n):
         gid = f"{run_id}-g{i}"
         state, sample = None, None
-        for schema, record in group_events(gid, seq=now_ms() * 1000 + i, group_size=3, turns=2):
+        # event times are now: the scheduler skips groups whose Task is older than its group timeout
+        events = group_events(gid, seq=now_ms() * 1000 + i, group_size=3, turns=2, start_ms=now_ms())
+        for schema, record in events:
             if schema == "Task":
                 producer.send_sync(TOPICS.tasks, gid, record)
             state, emits = fold(state, schema, record, ProcessorSettings())
@@ -38,8 +40,11 @@ def _publish_groups(bootstrap, run_id, n):
 
 
 def _cli(*args, timeout=300):
-    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], capture_output=True, text=True,
-                         timeout=timeout)
+    try:
+        out = subprocess.run([sys.executable, "-m", "forge_stream", *args], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"forge-stream {args[0]} timed out; it printed:\n{(exc.stderr or b'').decode()[-4000:]}")
     assert out.returncode == 0, out.stderr[-4000:]
     return out
 
@@ -62,7 +67,7 @@ def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap,
                        log_path=tmp_path / "engine.log") as engine:
         _cli("train", "--bootstrap-servers", kafka_bootstrap, "--run", run, "--model", str(tiny_model_dir),
              "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--batch-size", "2", "--wait-s", "2",
-             "--lr", "1e-3")
+             "--lr", "1e-3", timeout=60)
         deadline = time.monotonic() + 60
         while httpx.get(f"{engine.url}/health").json()["policy_version"] != 2 and time.monotonic() < deadline:
             time.sleep(0.5)
