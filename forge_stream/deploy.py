@@ -65,9 +65,38 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
+def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    port = opts.get("port", settings.gateway_port)
+    engines = opts.get("engines", [f"http://127.0.0.1:{settings.engine_port}"])
+    return ServiceSpec.python(
+        "gateway", "forge_stream", "gateway", "serve", *(a for url in engines for a in ("--engine", url)),
+        "--port", str(port), "--bootstrap-servers", settings.bootstrap,
+        health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}",
+    )
+
+
+def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    return ServiceSpec.python(
+        "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
+        "--data-dir", str(settings.home / "processors"),
+        "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
+    )
+
+
+def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    args = ["--bootstrap-servers", settings.bootstrap, "--run", opts.get("run", "default")]
+    for name in ("batch_size", "window", "lr", "group_timeout", "max_staleness", "wait_s"):
+        if name in opts:
+            args += [f"--{name.replace('_', '-')}", str(opts[name])]
+    return ServiceSpec.python("trainer", "forge_stream", "train", *args)
+
+
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
     "engine": engine_service,
+    "gateway": gateway_service,
+    "processors": processors_service,
+    "trainer": trainer_service,
 }
 
 

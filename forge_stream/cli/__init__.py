@@ -2,7 +2,8 @@
 
 import typer
 
-from forge_stream.cli import bench, engine, gateway, model, processors, replay, schemas, topics, train, up
+from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, topics, train,
+                              up)
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -15,6 +16,7 @@ app.add_typer(schemas.app, name="schemas")
 app.add_typer(processors.app, name="processors")
 app.add_typer(bench.app, name="bench")
 app.add_typer(gateway.app, name="gateway")
+app.add_typer(rollout.app, name="rollout")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
 

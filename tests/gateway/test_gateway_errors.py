@@ -9,7 +9,8 @@ from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
-from conftest import ADMIN, open_session, read_events, serving
+from gateway_support import ADMIN, open_session
+from helpers import read_events, serving
 
 HI = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -18,7 +18,8 @@ from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.broker import free_port
 from forge_stream.topics import TOPICS
 
-from conftest import open_session, read_events
+from gateway_support import open_session
+from helpers import read_events
 
 FAKE_VLLM = Path(__file__).parents[1] / "fakes" / "vllm_server.py"
 TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
@@ -41,7 +42,7 @@ def tokenizer(tiny_dir):
 
 @pytest.fixture(scope="module")
 def engine_gateway(tiny_dir, kafka_bootstrap, tmp_path_factory):
-    from conftest import serving
+    from helpers import serving
     from forge_stream.gateway.app import create_app
 
     log = tmp_path_factory.mktemp("gw_engine") / "engine.log"
@@ -52,7 +53,7 @@ def engine_gateway(tiny_dir, kafka_bootstrap, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_gateway(tiny_dir, kafka_bootstrap):
-    from conftest import serving
+    from helpers import serving
     from forge_stream.gateway.app import create_app
 
     port = free_port()

@@ -6,7 +6,8 @@ import orjson
 from forge_stream.gateway.scripted import EOS, decode, encode, logprob, render
 from forge_stream.topics import TOPICS
 
-from conftest import open_session, read_events
+from gateway_support import open_session
+from helpers import read_events
 
 
 def _completions(bootstrap, session_id):
@@ -134,7 +135,7 @@ def test_completions_endpoint_records_each_prompt_of_a_batch(kafka_bootstrap, ga
 
 
 def test_engine_without_token_ids_is_served_and_recorded_untrainable(kafka_bootstrap, make_gateway, run_id):
-    from conftest import serving
+    from helpers import serving
     from forge_stream.gateway.scripted import ScriptedEngine
 
     with serving(ScriptedEngine(token_ids=False)) as engine, make_gateway(engines=(engine,)) as gateway:

@@ -1,20 +1,17 @@
 """An analytics job with confluent-kafka's own SchemaRegistryClient and AvroDeserializer decodes our topics."""
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from confluent_kafka import Consumer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from fastavro.utils import generate_one
+from helpers import serving
 
 from forge_stream.events import default_registry
-from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.schema_registry import create_app
 from forge_stream.topics import TOPICS
@@ -22,21 +19,8 @@ from forge_stream.topics import TOPICS
 
 @pytest.fixture(scope="module")
 def registry_url():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url + "/subjects")
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield url
-    server.should_exit = True
-    thread.join(5)
+    with serving(create_app()) as url:
+        yield url
 
 
 def test_registry_answers_the_confluent_api(registry_url):

@@ -1,0 +1,40 @@
+"""Helpers shared by test suites: serve an ASGI app on a real port, read back what landed on a topic."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.topics import Topic
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """Serve an ASGI app on a free port in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> list[dict]:
+    """Every record of `topic` matching `where`, from the beginning to the current end of each partition (events
+    a service acknowledged are all below it). No consumer group is used."""
+    return [event.record for event in read_slice(bootstrap, topic, Slice()) if where(event.record)]
