@@ -7,11 +7,17 @@ ports with its own data directory, so a bare `pytest` works too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
+from helpers import TOOL_REPLY
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +25,8 @@ from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
 from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings
+
+FAKE_VLLM = Path(__file__).parent / "fakes" / "vllm_server.py"
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +70,32 @@ def tiny_model_dir_v1(tmp_path_factory) -> Path:
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def fake_vllm_url(tiny_model_dir):
+    """A fake vLLM server replying "Hello there, agent." then the tool-call reply, alternately."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(tiny_model_dir), "--port", str(port),
+                             "--reply", "Hello there, agent.", "--reply", TOOL_REPLY])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def fake_vllm_module():
+    """The fake server's module (for its `fake_logprob` rule), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("fake_vllm_server", FAKE_VLLM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

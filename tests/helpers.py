@@ -13,6 +13,9 @@ from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.topics import Topic
 
+# A Hermes-style tool call, as the fake vLLM server is scripted to answer every other request.
+TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
+
 
 @contextmanager
 def serving(app) -> Iterator[str]:

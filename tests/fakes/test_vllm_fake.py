@@ -9,8 +9,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-def test_non_streaming_response_has_vllm_fields(fake_vllm_url, fake_model_dir, fake_vllm_module):
-    tok = AutoTokenizer.from_pretrained(fake_model_dir)
+def test_non_streaming_response_has_vllm_fields(fake_vllm_url, tiny_model_dir, fake_vllm_module):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     body = httpx.post(f"{fake_vllm_url}/v1/chat/completions", json={
         "messages": MESSAGES, "logprobs": True, "return_token_ids": True, "tools": TOOLS, "n": 2}).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -48,7 +48,7 @@ def test_stream_chunks_follow_vllm(fake_vllm_url):
     assert data[-1]["choices"] == [] and data[-1]["usage"]["completion_tokens"] == 3
 
 
-def test_models_and_recorded_requests(fake_vllm_url, fake_model_dir):
+def test_models_and_recorded_requests(fake_vllm_url, tiny_model_dir):
     models = httpx.get(f"{fake_vllm_url}/v1/models").json()
-    assert models["data"][0]["id"] == str(fake_model_dir) and models["data"][0]["owned_by"] == "vllm"
+    assert models["data"][0]["id"] == str(tiny_model_dir) and models["data"][0]["owned_by"] == "vllm"
     assert all("messages" in r for r in httpx.get(f"{fake_vllm_url}/fake/requests").json())

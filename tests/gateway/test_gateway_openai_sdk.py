@@ -1,10 +1,6 @@
 """The official `openai` SDK, unmodified, drives the gateway in front of the local engine (tiny model) and in front
 of the fake `vllm serve`; the Completion events read back from the real broker hold exactly the engine's tokens."""
 
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import orjson
@@ -13,66 +9,41 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
-from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
 from forge_stream.gateway.settings import GatewaySettings
-from forge_stream.kafka.broker import free_port
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import read_events
+from helpers import TOOL_REPLY, read_events
 
-FAKE_VLLM = Path(__file__).parents[1] / "fakes" / "vllm_server.py"
-TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gw_tiny") / "model"
-    init_tiny_model(out, TinyModelSpec(seed=0))
-    return out
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return AutoTokenizer.from_pretrained(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def engine_gateway(tiny_dir, kafka_bootstrap, tmp_path_factory):
+def engine_gateway(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
     from helpers import serving
     from forge_stream.gateway.app import create_app
 
     log = tmp_path_factory.mktemp("gw_engine") / "engine.log"
-    with EngineProcess(str(tiny_dir), log_path=log) as engine, \
+    with EngineProcess(str(tiny_model_dir), log_path=log) as engine, \
             serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as gateway:
         yield gateway
 
 
 @pytest.fixture(scope="module")
-def vllm_gateway(tiny_dir, kafka_bootstrap):
+def vllm_gateway(fake_vllm_url, kafka_bootstrap):
     from helpers import serving
     from forge_stream.gateway.app import create_app
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(tiny_dir), "--port", str(port),
-                             "--reply", "Hello there, agent.", "--reply", TOOL_REPLY])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        settings = GatewaySettings(engines=(url,), bootstrap=kafka_bootstrap, default_policy_version=3)
-        with serving(create_app(settings)) as gateway:
-            yield gateway, url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    settings = GatewaySettings(engines=(fake_vllm_url,), bootstrap=kafka_bootstrap, default_policy_version=3)
+    with serving(create_app(settings)) as gateway:
+        yield gateway, fake_vllm_url
 
 
 def _client(session) -> OpenAI:
