@@ -28,7 +28,7 @@ class StepConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     token_budget: int = 16384  # max unique tree rows per micro-batch forward
-    chunk_rows: int = 128  # query rows per chunk of CPU tree attention
+    chunk_rows: int = 256  # query rows per chunk of CPU tree attention
 
 
 @dataclass(frozen=True)

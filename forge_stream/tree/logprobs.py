@@ -31,7 +31,7 @@ def sequence_logprobs(
     packed: PackedTree,
     *,
     backend: Backend = "auto",
-    chunk_rows: int = 128,
+    chunk_rows: int = 256,
     head_rows: int = 1024,
 ) -> list[torch.Tensor]:
     """Log-probs of tokens 1..L_i-1 of every packed sequence i given its prefix (element i has L_i - 1 values).
@@ -49,7 +49,7 @@ def row_logprobs(
     packed: PackedTree,
     *,
     backend: Backend = "auto",
-    chunk_rows: int = 128,
+    chunk_rows: int = 256,
     head_rows: int = 1024,
 ) -> torch.Tensor:
     """(U,) log-prob of each row's token given its path prefix; 0 at root rows (which have no prefix)."""
@@ -83,7 +83,7 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
 
 
 def tree_hidden_states(
-    model: torch.nn.Module, packed: PackedTree, *, backend: Backend = "auto", chunk_rows: int = 128
+    model: torch.nn.Module, packed: PackedTree, *, backend: Backend = "auto", chunk_rows: int = 256
 ) -> torch.Tensor:
     """(U, hidden) final hidden states of the decoder run once over the tree rows."""
     device = model.get_input_embeddings().weight.device
