@@ -82,9 +82,11 @@ def processors(
     groups: int = typer.Option(200, help="How many groups to push through."),
     group_size: int = typer.Option(4, help="Rollouts per group (G)."),
     turns: int = typer.Option(3, help="Turns per rollout."),
+    rate: Optional[float] = typer.Option(None, help="Groups per second (default: all at once)."),
     as_json: bool = JsonOption,
 ) -> None:
     """Groups per second and last-event-to-sample latency of a processors worker."""
     from forge_stream.bench.processors import run
 
-    emit(run(settings(bootstrap_servers).bootstrap, groups=groups, group_size=group_size, turns=turns), as_json)
+    emit(run(settings(bootstrap_servers).bootstrap, groups=groups, group_size=group_size, turns=turns,
+             rate=rate), as_json)

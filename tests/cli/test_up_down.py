@@ -79,3 +79,20 @@ def test_up_status_down_up_keeps_data(tmp_path):
         assert encode("Task", got[0])  # still valid events
     finally:
         subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
+
+
+def test_up_with_external_bootstrap_starts_no_broker(kafka_bootstrap, tmp_path):
+    topology = tmp_path / "registry-only.yaml"
+    topology.write_text("name: registry-only\nservices:\n  - registry\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
+    env.update(FORGE_HOME=str(tmp_path / "home"), FORGE_REGISTRY_PORT=str(free_port()))
+    try:
+        up = json.loads(cli(env, "up", str(topology), "--bootstrap-servers", kafka_bootstrap, "--json"))
+        assert up["bootstrap_servers"] == kafka_bootstrap and not up["embedded_broker"]
+        assert set(up["topics"].values()) == {"exists"}  # `topics create` is idempotent
+        assert not (tmp_path / "home" / "kafka").exists()
+        status = json.loads(cli(env, "status", "--bootstrap-servers", kafka_bootstrap, "--json"))
+        assert status["reachable"] and status["services"]["registry"]["healthy"]
+    finally:
+        down = json.loads(cli(env, "down", "--bootstrap-servers", kafka_bootstrap, "--json"))
+    assert down == {"stopped_services": ["registry"], "stopped_broker": False}
