@@ -19,7 +19,19 @@ chat serving (vllm/entrypoints/openai/chat_completion/{protocol,serving}.py):
 
 `GET /fake/requests` returns the request bodies received, for assertions.
 
+Control routes of `vllm serve` with VLLM_SERVER_DEV_MODE=1 (vllm 0.32: vllm/entrypoints/serve/dev/{rlhf,rpc,sleep,
+cache}/api_router.py), same paths, query/body fields and success bodies: `POST /pause?mode=abort|wait|keep`
+-> {"status": "paused"}, `POST /resume` -> {"status": "resumed"}, `GET /is_paused`, `GET /is_sleeping` ->
+{"is_sleeping": b}, `POST /sleep?level=N`, `POST /wake_up`, `POST /collective_rpc` {"method", "args", "kwargs"}
+(400 without a method; `update_config` with {"model_config": {"model": DIR}} then `reload_weights` loads DIR),
+`POST /update_weight_version` {"new_version"} -> {"success": true, "new_version": v}, `GET /weight_info` ->
+{"weight_version": v}, `POST /reset_prefix_cache[?reset_external=true]`. Reloading while asleep crashes real
+vLLM (vllm #57853); the fake answers 500. `--fail-first N` answers the first N control requests with 500.
+`GET /fake/state` (fake-only) reports the loaded model directory, weight version, paused/sleeping flags, prefix
+cache resets and every control call as [method, path, query, body].
+
 Run: python tests/fakes/vllm_server.py --model DIR --port P [--reply TEXT ...] [--served-model-name NAME]
+     [--fail-first N]
 """
 
 import argparse
@@ -29,8 +41,10 @@ import time
 import uuid
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from typing import Annotated, Literal
+
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
 from forge_stream.engine.tool_calls import parse_tool_calls
@@ -41,12 +55,90 @@ def fake_logprob(token_id: int) -> float:
 
 
 def create_app(model_dir: str, replies: list[str], served_name: str | None = None,
-               max_model_len: int = 2048) -> FastAPI:
+               max_model_len: int = 2048, fail_first: int = 0) -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = served_name or model_dir
     script = itertools.cycle(replies)
     received: list[dict] = []
     app = FastAPI()
+    state = {"model": model_dir, "pending_model": model_dir, "weight_version": None, "paused": False,
+             "sleeping": False, "prefix_cache_resets": 0, "calls": [], "fail_left": fail_first}
+
+    @app.middleware("http")
+    async def record_control_calls(request: Request, call_next):
+        if request.url.path.startswith(("/v1/", "/fake/", "/health")):
+            return await call_next(request)
+        raw = await request.body()
+        state["calls"].append([request.method, request.url.path, dict(request.query_params),
+                               json.loads(raw) if raw else None])
+        if state["fail_left"] > 0:
+            state["fail_left"] -= 1
+            return JSONResponse({"error": "injected failure"}, status_code=500)
+        return await call_next(request)
+
+    @app.get("/fake/state")
+    async def fake_state():
+        return JSONResponse({k: v for k, v in state.items() if k not in ("pending_model", "fail_left")})
+
+    @app.post("/pause")
+    async def pause(mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+                    clear_cache: Annotated[bool, Query()] = True):
+        state["paused"] = True
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume():
+        state["paused"] = False
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return JSONResponse({"is_paused": state["paused"]})
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        state["sleeping"] = True
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up():
+        state["sleeping"] = False
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": state["sleeping"]})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        body = await request.json()
+        method = body.get("method")
+        if method is None:
+            return JSONResponse({"detail": "Missing 'method' in request body"}, status_code=400)
+        if state["sleeping"]:
+            return JSONResponse({"error": "EngineDeadError: engine core died (collective_rpc while asleep)"},
+                                status_code=500)
+        if method == "update_config":
+            state["pending_model"] = body["args"][0]["model_config"]["model"]
+        elif method == "reload_weights":
+            state["model"] = state["pending_model"]
+        else:
+            return JSONResponse({"error": f"worker has no method {method!r}"}, status_code=500)
+        return JSONResponse({"results": [None]})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(new_version: Annotated[str, Body(embed=True)]):
+        state["weight_version"] = new_version
+        return JSONResponse({"success": True, "new_version": new_version})
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return JSONResponse({"weight_version": state["weight_version"]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        state["prefix_cache_resets"] += 1
+        return Response(status_code=200)
 
     def logprob_entry(token_id: int) -> dict:
         text = tokenizer.decode([token_id])
@@ -151,8 +243,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--reply", action="append", default=None, help="scripted reply text (repeatable)")
+    parser.add_argument("--fail-first", type=int, default=0, help="answer the first N control requests with 500")
     args = parser.parse_args()
-    app = create_app(args.model, args.reply or ["Hello from the fake vLLM server."], args.served_model_name)
+    app = create_app(args.model, args.reply or ["Hello from the fake vLLM server."], args.served_model_name,
+                     fail_first=args.fail_first)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
