@@ -2,7 +2,7 @@
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="The local torch rollout engine (OpenAI protocol).")
+app = typer.Typer(no_args_is_help=True, help="The local torch rollout engine (OpenAI protocol); vLLM weight sync.")
 
 
 @app.callback()
@@ -39,3 +39,25 @@ def serve(
                               logprobs_mode=logprobs_mode)
     app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@app.command("vllm-sync")
+def vllm_sync(
+    worker: list[str] = typer.Option(..., help="Base URL of a `vllm serve` worker (repeatable), e.g. http://h:8000."),
+    run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
+    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
+                                          help="Kafka bootstrap servers."),
+    attempts: int = typer.Option(3, help="Tries per worker and version."),
+    backoff_s: float = typer.Option(0.5, help="Wait before the first retry; doubles each retry."),
+    initial_version: int = typer.Option(0, help="Policy version the workers serve at start."),
+) -> None:
+    """Push each new policy version of RUN into the vLLM workers (they must read its checkpoint directory)."""
+    import asyncio
+    import logging
+
+    from forge_stream.engine.vllm_sync import SyncSettings, follow_policy
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = SyncSettings(workers=tuple(worker), run=run, attempts=attempts, backoff_s=backoff_s,
+                            initial_version=initial_version)
+    asyncio.run(follow_policy(bootstrap_servers, settings))
