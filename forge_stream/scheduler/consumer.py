@@ -22,20 +22,17 @@ and not yet consumed).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
-from forge_stream.events import DecodeError, decode, deterministic_id, encode, now_ms
+from forge_stream.events import deterministic_id, encode, now_ms
 from forge_stream.kafka.consumer import DecodingConsumer, Event, consumer_config, dead_letter
+from forge_stream.kafka.history import Slice, read_slice, watermarks
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.window import WindowedFifo, WindowSpec
 from forge_stream.topics import TOPICS, Topic
-
-RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
 
 @dataclass(frozen=True)
 class SchedulerSettings:
@@ -88,46 +85,6 @@ class Trainer(Protocol):
         """Train on the batch; return the TrainStep metric fields it knows (loss, mean_reward, ...)."""
 
 
-def _watermarks(consumer: Consumer, topic: str, partition: int, attempts: int = 50) -> tuple[int, int]:
-    """Low and high offsets, retrying while a freshly created partition has no leader yet."""
-    for attempt in range(attempts):
-        try:
-            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        except KafkaException as exc:
-            if exc.args[0].code() not in RETRIABLE or attempt == attempts - 1:
-                raise
-            time.sleep(0.2)
-    raise AssertionError("unreachable")
-
-
-def read_to_end(bootstrap: str, topic: Topic, group: str) -> list[tuple[str | None, dict]]:
-    """Every decodable (key, record) of a topic from the beginning to its current end."""
-    consumer = Consumer(consumer_config(bootstrap, group, **{"enable.partition.eof": True}))
-    try:
-        ends = {}
-        for p in range(topic.partitions):
-            low, high = _watermarks(consumer, topic.name, p)
-            if high > low:
-                ends[p] = high
-        consumer.assign([TopicPartition(topic.name, p, 0) for p in ends])
-        out = []
-        while ends:
-            msg = consumer.poll(1.0)
-            if msg is None or msg.error():
-                if msg is not None and msg.error().code() != KafkaError._PARTITION_EOF:
-                    raise RuntimeError(f"reading {topic.name}: {msg.error()}")
-                continue
-            if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                ends.pop(msg.partition(), None)
-            try:
-                out.append((msg.key().decode() if msg.key() else None, decode(msg.value())[1]))
-            except DecodeError:
-                continue
-        return out
-    finally:
-        consumer.close()
-
-
 def start_at_end(settings: SchedulerSettings) -> None:
     """Begin a new run at the current end of forge.tasks and forge.samples (what came before is not its queue).
 
@@ -135,7 +92,7 @@ def start_at_end(settings: SchedulerSettings) -> None:
     """
     consumer = Consumer(consumer_config(settings.bootstrap, settings.name))
     try:
-        offsets = [TopicPartition(t.name, p, _watermarks(consumer, t.name, p)[1])
+        offsets = [TopicPartition(t.name, p, watermarks(consumer, t.name, p)[1])
                    for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
         consumer.commit(offsets=offsets, asynchronous=False)
     finally:
@@ -155,14 +112,15 @@ def recover(settings: SchedulerSettings) -> Recovered:
     """Groups already trained (TrainStep.group_ids of this run) or rejected by this scheduler (forge.dlq)."""
     retired: set[str] = set()
     steps, version = 0, None
-    for key, record in read_to_end(settings.bootstrap, TOPICS.train_metrics, settings.name + ":recover"):
+    for event in read_slice(settings.bootstrap, TOPICS.train_metrics, Slice()):
+        key, record = event.key, event.record
         if key == settings.run:
             retired.update(record["group_ids"])
             steps = max(steps, record["step"] + 1)
             version = record["policy_version"] if version is None else max(version, record["policy_version"])
-    for key, record in read_to_end(settings.bootstrap, TOPICS.dlq, settings.name + ":recover"):
-        if record["rejected_by"] == settings.name and key is not None:
-            retired.add(key)
+    for event in read_slice(settings.bootstrap, TOPICS.dlq, Slice()):
+        if event.record["rejected_by"] == settings.name and event.key is not None:
+            retired.add(event.key)
     return Recovered(frozenset(retired), steps, version)
 
 

@@ -12,9 +12,10 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from forge_stream.kafka.consumer import consumer_config
+from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.consumer import (
-    SchedulerSettings, WindowedConsumer, read_to_end, start_at_end,
+    SchedulerSettings, WindowedConsumer, start_at_end,
 )
 from forge_stream.scheduler.window import WindowSpec
 from forge_stream.topics import TOPICS
@@ -51,8 +52,8 @@ def produce(bootstrap, tasks=(), samples=()):
 
 
 def trained_groups(bootstrap, run):
-    return [g for key, r in read_to_end(bootstrap, TOPICS.train_metrics, f"check-{run}") if key == run
-            for g in r["group_ids"]]
+    return [g for e in read_slice(bootstrap, TOPICS.train_metrics, Slice()) if e.key == run
+            for g in e.record["group_ids"]]
 
 
 def committed(bootstrap, group, topic):
@@ -95,7 +96,7 @@ def test_timeout_skips_a_group_that_never_finishes_and_records_it(kafka_bootstra
     assert time.monotonic() - started >= 1.5
     assert steps[0]["group_ids"] == [group_id(run_id, 1), group_id(run_id, 2)]
     assert consumer.skipped == [group_id(run_id, 0)]
-    letters = [r for k, r in read_to_end(kafka_bootstrap, TOPICS.dlq, f"check-{run_id}") if k == group_id(run_id, 0)]
+    letters = [e.record for e in read_slice(kafka_bootstrap, TOPICS.dlq, Slice()) if e.key == group_id(run_id, 0)]
     assert len(letters) == 1 and letters[0]["topic"] == TOPICS.tasks.name
     assert letters[0]["rejected_by"] == settings.name and "forge.trajectories" in letters[0]["error"]
     consumer.close()

@@ -11,11 +11,12 @@ from confluent_kafka import Consumer, TopicPartition
 
 from forge_stream.engine.process import EngineProcess
 from forge_stream.events import now_ms
+from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors.fold import fold
 from forge_stream.processors.settings import ProcessorSettings
 from forge_stream.processors.synthetic import group_events
-from forge_stream.scheduler.consumer import SchedulerSettings, read_to_end, start_at_end
+from forge_stream.scheduler.consumer import SchedulerSettings, start_at_end
 from forge_stream.topics import TOPICS
 
 
@@ -74,7 +75,7 @@ def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap,
         health = httpx.get(f"{engine.url}/health").json()
         assert health["policy_version"] == 2
 
-    steps = [r for k, r in read_to_end(kafka_bootstrap, TOPICS.train_metrics, f"check-{run_id}") if k == run]
+    steps = [e.record for e in read_slice(kafka_bootstrap, TOPICS.train_metrics, Slice()) if e.key == run]
     assert [s["step"] for s in steps] == [0, 1] and [s["policy_version"] for s in steps] == [0, 1]
     assert sorted(g for s in steps for g in s["group_ids"]) == sorted(groups)
     assert all(s["tree_ratio"] > 1.0 and s["unique_tokens"] < s["total_tokens"] for s in steps)
