@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
-from helpers import TOOL_REPLY
 import torch
+from helpers import FAKE_VLLM, TOOL_REPLY, fake_vllm
 from transformers import AutoModelForCausalLM
 
 from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
@@ -26,7 +22,6 @@ from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings
 
-FAKE_VLLM = Path(__file__).parent / "fakes" / "vllm_server.py"
 
 
 @pytest.fixture(scope="session")
@@ -75,21 +70,8 @@ def tiny_model_dir_v1(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fake_vllm_url(tiny_model_dir):
     """A fake vLLM server replying "Hello there, agent." then the tool-call reply, alternately."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(tiny_model_dir), "--port", str(port),
-                             "--reply", "Hello there, agent.", "--reply", TOOL_REPLY])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with fake_vllm(tiny_model_dir, "--reply", "Hello there, agent.", "--reply", TOOL_REPLY) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 @pytest.fixture(scope="session")

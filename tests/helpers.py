@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
 import uvicorn
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.topics import Topic
+
+FAKE_VLLM = Path(__file__).parent / "fakes" / "vllm_server.py"
 
 # A Hermes-style tool call, as the fake vLLM server is scripted to answer every other request.
 TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
@@ -41,3 +47,22 @@ def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> 
     """Every record of `topic` matching `where`, from the beginning to the current end of each partition (events
     a service acknowledged are all below it). No consumer group is used."""
     return [event.record for event in read_slice(bootstrap, topic, Slice()) if where(event.record)]
+
+
+@contextmanager
+def fake_vllm(model_dir, *args: str) -> Iterator[str]:
+    """The fake `vllm serve` (tests/fakes/vllm_server.py) as a real server process; yields its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

@@ -31,6 +31,20 @@ def newest(records: list[dict], current: int, current_path: str | None = None) -
     return None
 
 
+def run_records(batches: dict, run: str) -> list[dict]:
+    """The decoded PolicyVersion records of training run `run` in a batch from aiokafka's `getmany`."""
+    records = []
+    for messages in batches.values():
+        for message in messages:
+            if message.key != run.encode():
+                continue
+            try:
+                records.append(decode(message.value)[1])
+            except DecodeError as exc:
+                log.warning("skipping an undecodable forge.policy record at offset %s: %s", message.offset, exc)
+    return records
+
+
 async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: int = 500) -> None:
     """Run until cancelled, loading each newer policy version of training run `run` (the record key) into
     `engine`; other runs' versions (a replay, an experiment) are ignored."""
@@ -39,17 +53,7 @@ async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: in
     await consumer.start()
     try:
         while True:
-            batches = await consumer.getmany(timeout_ms=poll_ms)
-            records = []
-            for messages in batches.values():
-                for message in messages:
-                    if message.key != run.encode():
-                        continue
-                    try:
-                        records.append(decode(message.value)[1])
-                    except DecodeError as exc:
-                        log.warning("skipping an undecodable forge.policy record at offset %s: %s",
-                                    message.offset, exc)
+            records = run_records(await consumer.getmany(timeout_ms=poll_ms), run)
             target = newest(records, engine.policy_version, engine.scheduler.current.path)
             if target is not None:
                 result = await engine.load_weights(target["checkpoint_uri"], target["version"])

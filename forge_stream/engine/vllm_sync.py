@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 import httpx
 from aiokafka import AIOKafkaConsumer
 
-from forge_stream.engine.policy_watch import newest
-from forge_stream.events import DecodeError, decode
+from forge_stream.engine.policy_watch import newest, run_records
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
@@ -168,19 +167,6 @@ async def sync_version(workers: list[VllmWorkerClient], target: dict, settings: 
     return report
 
 
-def _run_records(batches: dict, run: str) -> list[dict]:
-    records = []
-    for messages in batches.values():
-        for message in messages:
-            if message.key != run.encode():
-                continue
-            try:
-                records.append(decode(message.value)[1])
-            except DecodeError as exc:
-                log.warning("skipping an undecodable forge.policy record at offset %s: %s", message.offset, exc)
-    return records
-
-
 async def follow_policy(bootstrap: str, settings: SyncSettings, on_report=None) -> None:
     """Run until cancelled. The history up to the end offsets at start is read first and only its newest
     version is applied; afterwards each batch's newest version is. `on_report(SyncReport)` sees each sync."""
@@ -197,7 +183,7 @@ async def follow_policy(bootstrap: str, settings: SyncSettings, on_report=None) 
             await consumer.seek_to_beginning()
             backlog = []
             while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
-                backlog += _run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
+                backlog += run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
             pending = backlog
             while True:
                 target = newest(pending, current, current_path)
@@ -206,6 +192,6 @@ async def follow_policy(bootstrap: str, settings: SyncSettings, on_report=None) 
                     current, current_path = target["version"], target["checkpoint_uri"]
                     if on_report is not None:
                         on_report(report)
-                pending = _run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
+                pending = run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
     finally:
         await consumer.stop()

@@ -2,40 +2,15 @@
 
 import asyncio
 import contextlib
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from forge_stream.engine.vllm_sync import (SyncSettings, VllmWorkerClient, WorkerError, backoff_delays,
                                            follow_policy, update_plan, update_worker)
-from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
-
-FAKE_VLLM = Path(__file__).parents[1] / "fakes" / "vllm_server.py"
-
-
-@contextlib.contextmanager
-def fake_worker(model_dir, *extra: str):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port),
-                             *extra])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+from helpers import fake_vllm
 
 
 def _expected_calls(path: str, version: int) -> list:
@@ -91,8 +66,8 @@ def test_sync_follows_one_run_and_retries(kafka_bootstrap, tiny_model_dir, tmp_p
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    with fake_worker(tiny_model_dir) as w1, fake_worker(tiny_model_dir, "--fail-first", "1") as w2, \
-            fake_worker(tiny_model_dir) as w3:
+    with fake_vllm(tiny_model_dir) as w1, fake_vllm(tiny_model_dir, "--fail-first", "1") as w2, \
+            fake_vllm(tiny_model_dir) as w3:
         httpx.post(f"{w3}/sleep", params={"level": 1}, timeout=5).raise_for_status()
         asyncio.run(asyncio.wait_for(scenario(w1, w2, w3), 25))
         s1, s2, s3 = _state(w1), _state(w2), _state(w3)
@@ -122,7 +97,7 @@ def test_failure_after_pause_resumes_the_worker(tiny_model_dir, tmp_path):
             with pytest.raises(WorkerError, match="collective_rpc: HTTP 500"):
                 await update_worker(VllmWorkerClient(url, client), plan, SyncSettings(workers=(url,), attempts=1))
 
-    with fake_worker(tiny_model_dir) as url:
+    with fake_vllm(tiny_model_dir) as url:
         asyncio.run(scenario(url))
         state = _state(url)
     assert [c[:2] for c in state["calls"]] == [["POST", "/sleep"], ["POST", "/pause"], ["POST", "/collective_rpc"],
