@@ -23,7 +23,7 @@ and not yet consumed).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 from confluent_kafka import Consumer, TopicPartition
 
@@ -128,8 +128,11 @@ class WindowedConsumer:
     """Feeds a trainer from Kafka in bounded FIFO order; see the module docstring for the guarantees."""
 
     def __init__(self, settings: SchedulerSettings, producer: EventProducer | None = None,
-                 recovered: Recovered | None = None):
+                 recovered: Recovered | None = None, validate: Callable[[dict], None] | None = None):
+        """`validate(sample)` raises ValueError for a TrainSample the trainer cannot use; such a sample goes to
+        forge.dlq and its group is skipped, instead of failing a training step."""
         self.settings = settings
+        self._validate = validate
         recovered = recovered or recover(settings)
         self.retired: set[str] = set(recovered.retired)
         self.step = recovered.steps
@@ -164,6 +167,14 @@ class WindowedConsumer:
             self._core.submit(seq)
         else:
             seq = event.record["task_seq"]
+            try:
+                if self._validate is not None:
+                    self._validate(event.record)
+            except ValueError as exc:
+                self._reject(event, f"invalid TrainSample: {exc}", TOPICS.samples)
+                self._core.skip(seq)
+                self._tasks.pop(seq, None)
+                return True
             self._samples.setdefault(seq, event)
             self._core.finish(seq)
         return True

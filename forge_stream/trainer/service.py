@@ -30,7 +30,7 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.kafka.consumer import consumer_config
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover, start_at_end
 from forge_stream.topics import TOPICS
-from forge_stream.trainer.step import StepConfig, build_optimizer, train_step
+from forge_stream.trainer.step import StepConfig, build_optimizer, sample_tree, train_step
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,14 @@ class PolicyTrainer:
         self.policy_version = resume_version
         log.info("trainer starts at policy version %d from %s", resume_version, path)
 
+    def validate(self, sample: dict) -> None:
+        """ValueError for a sample this model cannot train on (inconsistent tree, token ids beyond its vocabulary)."""
+        tree = sample_tree(sample)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if tree.num_rows and int(tree.token_ids.max()) >= vocab:
+            raise ValueError(f"token id {int(tree.token_ids.max())} is outside the model's vocabulary of {vocab}: "
+                             "was it rolled out with another tokenizer?")
+
     def train(self, batch: Batch) -> dict:
         started = time.perf_counter()
         stats = train_step(self.model, self.optimizer, batch.samples, self.settings.step, self.policy_version)
@@ -125,7 +133,7 @@ def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=pr
     recovered = recover(settings.scheduler)
     resume = 0 if recovered.last_version is None else recovered.last_version + 1
     trainer = PolicyTrainer(settings, producer, resume)
-    consumer = WindowedConsumer(settings.scheduler, producer, recovered)
+    consumer = WindowedConsumer(settings.scheduler, producer, recovered, validate=trainer.validate)
     done: list[dict] = []
     try:
         while steps is None or len(done) < steps:

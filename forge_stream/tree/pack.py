@@ -113,6 +113,8 @@ def from_arrays(
     parent = [int(p) for p in parent_row]
     if len(parent) != len(token_ids):
         raise ValueError("token_ids and parent_row differ in length")
+    if not last_rows:
+        raise ValueError("a tree needs at least one sequence")
     depth = [0] * len(parent)
     open_path: list[int] = []  # the path from a root to the previous row
     for row, p in enumerate(parent):

@@ -44,7 +44,7 @@ def test_bad_records_go_to_the_dlq_and_consumption_goes_on(kafka_bootstrap, run_
     deadline = time.monotonic() + 60
     while len(letters) < 3 and time.monotonic() < deadline:
         event = reader.poll(1.0)
-        if event is not None and event.record["key"] == run_id.encode():
+        if event is not None and event.record["key"] == run_id.encode() and event.record["rejected_by"] == "test-dlq":
             letters.append(event.record)
     reader.close()
     assert [l["value"] for l in letters] == garbage

@@ -155,3 +155,23 @@ def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(kafka_bootstra
     for topic in (TOPICS.tasks, TOPICS.samples):
         got, ends = committed(kafka_bootstrap, settings.name, topic)
         assert got == ends, f"{topic.name}: everything consumed is committed"
+
+
+def test_an_invalid_sample_goes_to_the_dlq_and_its_group_is_skipped(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=1))
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(3)], [sample(run_id, s) for s in range(3)])
+
+    def validate(record):
+        if record["group_id"] == group_id(run_id, 0):
+            raise ValueError("token id 99999 is outside the model's vocabulary")
+
+    consumer = WindowedConsumer(settings, validate=validate)
+    steps = consumer.run(CountingTrainer(), steps=1, wait_s=20)
+    assert steps[0]["group_ids"] == [group_id(run_id, 1), group_id(run_id, 2)]  # not blocked behind group 0
+    letters = [e.record for e in read_slice(kafka_bootstrap, TOPICS.dlq, Slice()) if e.key == group_id(run_id, 0)]
+    assert len(letters) == 1 and letters[0]["topic"] == TOPICS.samples.name
+    assert "invalid TrainSample: token id 99999" in letters[0]["error"]
+    consumer.close()
+    restarted = WindowedConsumer(settings)
+    assert group_id(run_id, 0) in restarted.retired
+    restarted.close()

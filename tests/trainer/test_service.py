@@ -7,6 +7,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from forge_stream.engine.process import EngineProcess
@@ -90,3 +91,22 @@ def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap,
     replayed = {g for s in result["steps"] for g in s["group_ids"]}
     assert set(groups) <= replayed
     assert _committed(kafka_bootstrap, f"scheduler:{run}") == live_offsets  # live offsets untouched
+
+
+def test_trainer_rejects_samples_it_cannot_train_on(tiny_model_dir, tmp_path, run_id):
+    from forge_stream.trainer.service import PolicyTrainer, TrainerSettings
+
+    trainer = PolicyTrainer(TrainerSettings(bootstrap="unused:9092", base_model=tiny_model_dir,
+                                            checkpoint_dir=tmp_path,
+                                            scheduler=SchedulerSettings(bootstrap="unused:9092", run=run_id)),
+                            producer=None, resume_version=0)
+    state, good = None, None
+    for schema, record in group_events(run_id, group_size=2, turns=2):
+        state, emits = fold(state, schema, record, ProcessorSettings())
+        good = next((e.record for e in emits if e.schema == "TrainSample"), good)
+    trainer.validate(good)
+    too_big = {**good, "token_ids": [50_000] + list(good["token_ids"][1:])}
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        trainer.validate(too_big)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        trainer.validate({**good, "sequences": []})
