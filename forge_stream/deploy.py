@@ -30,9 +30,9 @@ class Topology:
 
 def load_topology(name_or_path: str) -> Topology:
     path = Path(name_or_path)
-    if not path.exists():
+    if not path.is_file():
         path = TOPOLOGY_DIR / f"{name_or_path}.yaml"
-    if not path.exists():
+    if not path.is_file():
         known = ", ".join(sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml")))
         raise FileNotFoundError(f"no topology {name_or_path!r}; known: {known}")
     raw = yaml.safe_load(path.read_text())
