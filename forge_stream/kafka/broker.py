@@ -111,7 +111,8 @@ class LocalBroker:
         if (self.dir / "data" / "meta.properties").exists():
             return
         cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        out = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", "-t", cid,
+        # `--cluster-id=ID`, not `-t ID`: a random id may start with "-", which the parser takes for an option
+        out = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={cid}",
                                         "-c", str(self.properties), "--standalone"),
                              capture_output=True, text=True)
         if out.returncode != 0:
