@@ -143,6 +143,7 @@ class WindowedConsumer:
         self._source = DecodingConsumer(settings.bootstrap, settings.name, [TOPICS.tasks, TOPICS.samples],
                                         name=settings.name, producer=self._producer)
         self._tasks: dict[int, Event] = {}
+        self._first_seen: dict[int, int] = {}  # wall time (ms) each Task was first read
         self._samples: dict[int, Event] = {}
         self._unsettled: dict[tuple[str, int], set[int]] = {}
         self._records_of: dict[str, list[tuple[tuple[str, int], int]]] = {}
@@ -164,6 +165,7 @@ class WindowedConsumer:
         if event.topic == TOPICS.tasks.name:
             seq = event.record["seq"]
             self._tasks.setdefault(seq, event)
+            self._first_seen.setdefault(seq, now_ms())
             self._core.submit(seq)
         else:
             seq = event.record["task_seq"]
@@ -174,6 +176,7 @@ class WindowedConsumer:
                 self._reject(event, f"invalid TrainSample: {exc}", TOPICS.samples)
                 self._core.skip(seq)
                 self._tasks.pop(seq, None)
+                self._first_seen.pop(seq, None)
                 return True
             self._samples.setdefault(seq, event)
             self._core.finish(seq)
@@ -243,6 +246,7 @@ class WindowedConsumer:
             for seq in seqs:
                 event = self._samples.pop(seq)
                 self._tasks.pop(seq, None)
+                self._first_seen.pop(seq, None)
                 lag = version - event.record["policy_version"]
                 if bound is not None and lag > bound:
                     if drop:
@@ -258,11 +262,15 @@ class WindowedConsumer:
         return Batch(samples, staleness, version, over)
 
     def _expire(self) -> None:
-        """Skip the group that blocks the window once its task is older than the timeout."""
+        """Skip the group that blocks the window once it has been waited for longer than the timeout.
+
+        The clock starts when the Task's event time says it was submitted, or when this consumer first read the
+        Task if that is later: a back-filled or re-published Task stream is not skipped wholesale.
+        """
         limit = now_ms() - self.settings.group_timeout_s * 1000
         while (seq := self._core.frontier) is not None and seq in self._tasks:
             task = self._tasks[seq]
-            if task.record["event_time"] > limit:
+            if max(task.record["event_time"], self._first_seen[seq]) > limit:
                 return
             group = task.record["group_id"]
             self._reject(task, f"group unfinished after {self.settings.group_timeout_s:g}s: skipped by the "
@@ -270,6 +278,7 @@ class WindowedConsumer:
                          TOPICS.tasks)
             self._core.skip(seq)
             self._tasks.pop(seq)
+            self._first_seen.pop(seq, None)
             self.skipped.append(group)
 
     def _reject(self, event: Event, error: str, topic: Topic) -> None:

@@ -175,3 +175,15 @@ def test_an_invalid_sample_goes_to_the_dlq_and_its_group_is_skipped(kafka_bootst
     restarted = WindowedConsumer(settings)
     assert group_id(run_id, 0) in restarted.retired
     restarted.close()
+
+
+def test_old_tasks_get_the_whole_timeout_from_when_they_are_read(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1), group_timeout_s=30)
+    long_ago = [{**task(run_id, s), "event_time": 1_600_000_000_000} for s in range(2)]  # back-filled tasks
+    produce(kafka_bootstrap, long_ago, [sample(run_id, 1)])
+    consumer = WindowedConsumer(settings)
+    assert consumer.next_batch(0, 3, partial=True) is None  # group 0 blocks the window, but is not skipped yet
+    assert consumer.skipped == []
+    produce(kafka_bootstrap, samples=[sample(run_id, 0)])
+    assert consumer.next_batch(0, 10).group_ids == [group_id(run_id, 0)]
+    consumer.close()

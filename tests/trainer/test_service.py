@@ -28,7 +28,6 @@ def _publish_groups(bootstrap, run_id, n):
     for i in range(n):
         gid = f"{run_id}-g{i}"
         state, sample = None, None
-        # event times are now: the scheduler skips groups whose Task is older than its group timeout
         events = group_events(gid, seq=now_ms() * 1000 + i, group_size=3, turns=2, start_ms=now_ms())
         for schema, record in events:
             if schema == "Task":
