@@ -61,7 +61,7 @@ ROLLOUT_PARTITIONS = 4
 
 TOPICS = Catalog(
     tasks=Topic("forge.tasks", "group_id", ("Task",), ROLLOUT_PARTITIONS, FOREVER,
-                ("rollout controller", "user"), ("scheduler", "rollout controller"),
+                ("rollout controller", "user"), ("processors", "scheduler"),
                 doc="Task instances in submission order (seq)."),
     sessions=Topic("forge.sessions", "group_id", ("SessionStarted", "SessionFinished"), ROLLOUT_PARTITIONS, FOREVER,
                    ("ingress",), ("processors",), doc="One session = one rollout of one agent."),
@@ -79,6 +79,6 @@ TOPICS = Catalog(
                  ("trainer",), ("engines", "gateway"), doc="Published weights, in version order."),
     train_metrics=Topic("forge.train_metrics", "run", ("TrainStep",), 1, FOREVER,
                         ("trainer",), ("analytics", "scheduler"), doc="One record per optimizer step."),
-    dlq=Topic("forge.dlq", "source topic", ("DeadLetter",), 1, 30 * DAY_MS,
+    dlq=Topic("forge.dlq", "group_id or source topic", ("DeadLetter",), 1, 30 * DAY_MS,
               ("any",), ("operators",), doc="Undecodable or invalid records with their original bytes."),
 )
