@@ -50,19 +50,34 @@ def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> 
 
 
 @contextmanager
-def fake_vllm(model_dir, *args: str) -> Iterator[str]:
-    """The fake `vllm serve` (tests/fakes/vllm_server.py) as a real server process; yields its base URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port), *args])
+def http_process(argv: list[str], port: int, *, timeout: float = 60.0, log=None, env=None) -> Iterator[str]:
+    """Run a server process on `port` until its /health answers 200; yields its base URL, stops it after."""
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
     url = f"http://127.0.0.1:{port}"
+    where = f"; see {log.name}" if log else ""
     try:
-        for _ in range(300):
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(argv[:4])} exited with {proc.returncode}{where}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}/health did not answer within {timeout:.0f}s{where}")
+            time.sleep(0.2)
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def fake_vllm(model_dir, *args: str) -> Iterator[str]:
+    """The fake `vllm serve` (tests/fakes/vllm_server.py) as a real server process; yields its base URL."""
+    port = free_port()
+    with http_process([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port), *args],
+                      port) as url:
+        yield url

@@ -8,17 +8,15 @@ The same fields are what tests/fakes/vllm_server.py imitates; a mismatch here me
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_stream.engine.process import free_port
-from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+from forge_stream.kafka.broker import free_port
+from helpers import http_process
 
 DTYPE = os.environ.get("FORGE_VLLM_DTYPE", "float32")
 TOLERANCE = 2e-2 if DTYPE == "float32" else 0.15
@@ -26,49 +24,27 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_gpu") / "model"
-    init_tiny_model(out, TinyModelSpec(seed=0))
-    return out
-
-
-@pytest.fixture(scope="module")
-def vllm_url(model_dir, tmp_path_factory):
+def vllm_url(tiny_model_dir, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("vllm_log") / "vllm.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--port", str(port),
-         "--dtype", DTYPE, "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--enforce-eager",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"vllm serve exited; see {log.name}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+    with open(tmp_path_factory.mktemp("vllm_log") / "vllm.log", "wb") as log, http_process(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model_dir), "--port", str(port),
+             "--dtype", DTYPE, "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--enforce-eager",
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], port, timeout=600, log=log) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
-def _reference(model_dir, prompt_ids, completion_ids):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _reference(tiny_model_dir, prompt_ids, completion_ids):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + completion_ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
     return [lp[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(completion_ids)]
 
 
-def test_chat_returns_token_ids_and_raw_logprobs(vllm_url, model_dir):
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def test_chat_returns_token_ids_and_raw_logprobs(vllm_url, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     body = httpx.post(f"{vllm_url}/v1/chat/completions", timeout=120, json={
-        "model": str(model_dir), "messages": MESSAGES, "max_tokens": 16, "temperature": 0.7, "seed": 3,
+        "model": str(tiny_model_dir), "messages": MESSAGES, "max_tokens": 16, "temperature": 0.7, "seed": 3,
         "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "ignore_eos": True}).json()
     prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert body["prompt_token_ids"] == tok.encode(prompt, add_special_tokens=False)
@@ -79,12 +55,12 @@ def test_chat_returns_token_ids_and_raw_logprobs(vllm_url, model_dir):
     content = choice["logprobs"]["content"]
     assert len(content) == 16 and all({"token", "logprob", "bytes", "top_logprobs"} <= set(c) for c in content)
     # vLLM's default logprobs mode is raw: temperature 0.7 must not change them.
-    expected = _reference(model_dir, body["prompt_token_ids"], ids)
+    expected = _reference(tiny_model_dir, body["prompt_token_ids"], ids)
     assert [c["logprob"] for c in content] == pytest.approx(expected, abs=TOLERANCE)
 
 
-def test_stream_chunks_carry_prompt_ids_first_and_token_ids_per_chunk(vllm_url, model_dir):
-    request = {"model": str(model_dir), "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+def test_stream_chunks_carry_prompt_ids_first_and_token_ids_per_chunk(vllm_url, tiny_model_dir):
+    request = {"model": str(tiny_model_dir), "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
                "logprobs": True, "return_token_ids": True, "ignore_eos": True}
     whole = httpx.post(f"{vllm_url}/v1/chat/completions", json=request, timeout=120).json()
     with httpx.stream("POST", f"{vllm_url}/v1/chat/completions", timeout=120,
@@ -103,6 +79,6 @@ def test_stream_chunks_carry_prompt_ids_first_and_token_ids_per_chunk(vllm_url, 
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
-def test_models_lists_the_directory(vllm_url, model_dir):
+def test_models_lists_the_directory(vllm_url, tiny_model_dir):
     models = httpx.get(f"{vllm_url}/v1/models").json()
-    assert models["data"][0]["id"] == str(model_dir)
+    assert models["data"][0]["id"] == str(tiny_model_dir)

@@ -10,61 +10,28 @@ and /weight_info reports the version set by /update_weight_version.
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.process import free_port
-from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
 from forge_stream.engine.vllm_sync import SyncSettings, follow_policy
+from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
+from helpers import http_process
 
 MESSAGES = [{"role": "user", "content": "What is the weather?"}]
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("tiny_gpu_sync") / "model"
-    init_tiny_model(base, TinyModelSpec(seed=0))
-    perturbed = tmp_path_factory.mktemp("tiny_gpu_sync_v1") / "model"
-    init_tiny_model(perturbed, TinyModelSpec(seed=0))
-    model = AutoModelForCausalLM.from_pretrained(perturbed)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(perturbed)
-    return base, perturbed
-
-
-@pytest.fixture(scope="module")
-def vllm_url(model_dirs, tmp_path_factory):
+def vllm_url(tiny_model_dir, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("vllm_sync_log") / "vllm.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dirs[0]), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"vllm serve exited; see {log.name}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+    with open(tmp_path_factory.mktemp("vllm_sync_log") / "vllm.log", "wb") as log, http_process(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model_dir), "--port", str(port),
+             "--dtype", "float32", "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--enforce-eager"],
+            port, timeout=600, log=log, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def _logprobs(url, model):
@@ -74,8 +41,8 @@ def _logprobs(url, model):
     return [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
 
 
-def test_sync_moves_weights_and_version(vllm_url, model_dirs, kafka_bootstrap, run_id):
-    base, perturbed = model_dirs
+def test_sync_moves_weights_and_version(vllm_url, tiny_model_dir, tiny_model_dir_v1, kafka_bootstrap, run_id):
+    base, perturbed = tiny_model_dir, tiny_model_dir_v1
     before = _logprobs(vllm_url, str(base))
     run = f"gpu-{run_id}"
     producer = EventProducer(kafka_bootstrap)
