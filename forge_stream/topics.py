@@ -45,6 +45,7 @@ class Catalog:
     samples: Topic
     policy: Topic
     train_metrics: Topic
+    evals: Topic
     dlq: Topic
 
     def all(self) -> list[Topic]:
@@ -79,6 +80,9 @@ TOPICS = Catalog(
                  ("trainer",), ("engines", "gateway"), doc="Published weights, in version order."),
     train_metrics=Topic("forge.train_metrics", "run", ("TrainStep",), 1, FOREVER,
                         ("trainer",), ("analytics", "scheduler"), doc="One record per optimizer step."),
+    evals=Topic("forge.evals", "run", ("EvalResult",), 1, FOREVER,
+                ("forge-stream eval",), ("analytics", "tensorboard sink"),
+                doc="Held-out evaluations: mean outcome reward per domain and policy version."),
     dlq=Topic("forge.dlq", "group_id or source topic", ("DeadLetter",), 1, 30 * DAY_MS,
               ("any",), ("operators",), doc="Undecodable or invalid records with their original bytes."),
 )

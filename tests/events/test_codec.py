@@ -13,19 +13,25 @@ from forge_stream.events.registry import schema_fingerprint
 PINNED = {
     ("forge.events.Completion", 1): "8054d812ef54efd3f1ee9d473e74909b78b2174ed23fd34433b2520c1856c8fc",
     ("forge.events.Completion", 2): "c61b851b5ccff8b2f72685419c6a5f224a263bc17c08e90e357b61eb55e0c362",
+    ("forge.events.Completion", 3): "26e62c5d1ce0a31befee8f9ce221a2b1e2e7310f6a5148df527a83f657ed4d7c",
     ("forge.events.DeadLetter", 1): "9f26aa83e8eedaff91b8d9b5850fe1c340d16b71ebce0e902a4d3c5e6f338896",
+    ("forge.events.EvalResult", 1): "2cd0d18a2b0464cc88fc29999e7e4542bbf9c2f3126ac0142e792dff1a08a8e0",
     ("forge.events.PolicyVersion", 1): "d2d014ebd21d53644e7a5ecdd79c648fbf91e7afda67f9a618f201efc0a2e5f3",
     ("forge.events.Reward", 1): "21a2a9cb7fc66d5a4bfaf740774eca356396a135dd53a29fc40124161724999b",
     ("forge.events.SessionFinished", 1): "709a7e33d2bf557a2388cfabd6c507828bd05f291d4fa7a8ae834a0869cf4f81",
+    ("forge.events.SessionFinished", 2): "a3eb4710df587592a12e2443446070637e5b170c43acaf6bdd6edf75fee8dae4",
     ("forge.events.SessionStarted", 1): "4d0916489d6066add20536c15ed3b048eee4d988f66cb39acfcc4a1c396f059c",
     ("forge.events.Task", 1): "614b9c7165f22c98b753a948a46c4c6171124e2450e1096744db93dd94b5c90e",
     ("forge.events.ToolSpan", 1): "3c71316efb46cca4789376d2f0fe9bec60f14219b8979d7dd1be937c5dabf3cd",
     ("forge.events.TrainSample", 1): "bbfce5a609ae429d26b204647201823b97917e719707bc04436c3565c477072a",
+    ("forge.events.TrainSample", 2): "df5902a4569ccf150aa4aeaf3c35dc74d774f654cfef04091d23faf28531dac2",
     ("forge.events.TrainStep", 1): "79e57c0dc8e159429f9560b53d98106d817ba3916ce4fad9fc4f4176ed824147",
+    ("forge.events.TrainStep", 2): "a07ab1d2490f0c07621610b00434396b7a6c269556a7621dde642330a48ab709",
     ("forge.events.Trajectory", 1): "00e7aa2e07a78a4a4c8b1b4b56189c93e67685f74254c8608f05c5dd00c443a6",
+    ("forge.events.Trajectory", 2): "36f0da630d62ac14e0bf15f326e6f66690b67ffde5ba014bdb3cc1dabf9605fe",
 }
 EVENTS = ["Task", "SessionStarted", "SessionFinished", "Completion", "ToolSpan", "Reward", "Trajectory",
-          "TrainSample", "PolicyVersion", "TrainStep", "DeadLetter"]
+          "TrainSample", "PolicyVersion", "TrainStep", "EvalResult", "DeadLetter"]
 
 
 def test_every_design_event_has_a_schema_with_identity_and_time():
