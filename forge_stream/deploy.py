@@ -55,13 +55,33 @@ def registry_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
+def _flags(opts: dict, names: tuple[str, ...]) -> list[str]:
+    """`--name value` for each option of a service that its command takes (booleans become bare flags)."""
+    out: list[str] = []
+    for name in names:
+        if name not in opts:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        value = opts[name]
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _threads(opts: dict) -> dict[str, str]:
+    """torch's CPU threads for a service (`threads:` in the topology): keeps services from oversubscribing cores."""
+    return {"OMP_NUM_THREADS": str(opts["threads"])} if "threads" in opts else {}
+
+
 def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     port = opts.get("port", settings.engine_port)
     return ServiceSpec.python(
         "engine", "forge_stream.engine", "serve", "--model", str(opts.get("model", settings.model_dir)),
         "--port", str(port), "--bootstrap-servers", settings.bootstrap,
-        "--max-batch-size", str(opts.get("max_batch_size", 32)),
-        health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",
+        "--max-batch-size", str(opts.get("max_batch_size", 32)), *_flags(opts, ("policy_run",)),
+        health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1", env=_threads(opts),
     )
 
 
@@ -79,16 +99,17 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
         "--data-dir", str(settings.home / "processors"),
-        "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
+        "--group-timeout-s", str(opts.get("group_timeout_s", 600)), *_flags(opts, ("advantage", "gamma")),
     )
 
 
+TRAINER_OPTIONS = ("model", "run", "batch_size", "window", "rollout_slots", "lr", "loss", "eps_low", "eps_high",
+                   "group_timeout", "max_staleness", "stale_action", "token_budget", "wait_s", "from_now")
+
+
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
-    args = ["--bootstrap-servers", settings.bootstrap, "--run", opts.get("run", "default")]
-    for name in ("batch_size", "window", "lr", "group_timeout", "max_staleness", "wait_s"):
-        if name in opts:
-            args += [f"--{name.replace('_', '-')}", str(opts[name])]
-    return ServiceSpec.python("trainer", "forge_stream", "train", *args)
+    args = ["--bootstrap-servers", settings.bootstrap, *_flags({"run": "default", **opts}, TRAINER_OPTIONS)]
+    return ServiceSpec.python("trainer", "forge_stream", "train", *args, env=_threads(opts))
 
 
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {

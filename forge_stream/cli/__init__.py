@@ -2,8 +2,8 @@
 
 import typer
 
-from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, sink, topics,
-                              train, up)
+from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, sft, sink, tasks,
+                              topics, train, up)
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -11,6 +11,7 @@ app.command("down")(up.down)
 app.command("status")(up.status)
 app.command("train")(train.train)
 app.command("replay")(replay.replay)
+app.command("sft")(sft.sft)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(processors.app, name="processors")
@@ -20,6 +21,7 @@ app.add_typer(rollout.app, name="rollout")
 app.add_typer(sink.app, name="sink")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
+app.add_typer(tasks.app, name="tasks")
 
 
 def main() -> None:

@@ -69,6 +69,27 @@ def _conversation(rng: random.Random) -> str:
     )
 
 
+def _suite_conversation(rng: random.Random) -> str:
+    """A task of the shipped suite solved by the scripted teacher, as ChatML text with the suite's tools."""
+    from forge_stream.tasks.suite import FAMILIES, TOOLS
+    from forge_stream.tasks.teacher import demonstration
+
+    domain = rng.choice(sorted(FAMILIES))
+    messages = demonstration(FAMILIES[domain](rng, 1), domain)
+    tools = "\n".join(json.dumps(t) for t in TOOLS)
+    text = f"<|im_start|>system\n{messages[0]['content']}\n\n# Tools\n\n<tools>\n{tools}\n</tools><|im_end|>\n"
+    for m in messages[1:]:
+        if m.get("tool_calls"):
+            fn = m["tool_calls"][0]["function"]
+            body = f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {fn["arguments"]}}}\n</tool_call>'
+            text += f"<|im_start|>assistant\n{body}<|im_end|>\n"
+        elif m["role"] == "tool":
+            text += f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n"
+        else:
+            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    return text
+
+
 def corpus(seed: int = 0, paragraphs: int = 300) -> list[str]:
     """Deterministic training texts (about 100 KB for the default size)."""
     rng = random.Random(seed)
@@ -83,7 +104,9 @@ def corpus(seed: int = 0, paragraphs: int = 300) -> list[str]:
             record = {w: rng.randint(0, 1000) for w in rng.sample(_WORDS, 4)}
             record["items"] = rng.sample(_WORDS, 3)
             texts.append(json.dumps(record, indent=rng.choice([None, 2])))
-        else:
+        elif i % 8 == 3:
             texts.append(_conversation(rng))
+        else:
+            texts.append(_suite_conversation(rng))
     texts.append("".join(chr(c) for c in range(32, 127)))
     return texts

@@ -55,7 +55,12 @@ def chat_template() -> str:
 def train_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on the shipped corpus and wrap it as a HuggingFace fast tokenizer."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Digits are single tokens (as in Llama and Qwen2): a number copied from a question into a tool call, or from
+    # a tool result into an answer, is then the same tokens wherever it stands.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(TOOL_TOKENS),

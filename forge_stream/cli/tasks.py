@@ -1,0 +1,36 @@
+"""`forge-stream tasks generate`: write tasks of the shipped suite (train or held-out split) as JSONL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="The shipped task suite.")
+
+
+@app.callback()
+def group() -> None:
+    """The shipped task suite."""
+
+
+@app.command("generate")
+def generate(
+    split: str = typer.Option("train", help="train or heldout (disjoint by construction)."),
+    n: int = typer.Option(100, help="How many tasks."),
+    seed: int = typer.Option(0, help="Seed of the stream."),
+    mix: Optional[str] = typer.Option(None, help="Domain weights, e.g. 'reasoning=1,agent=1,lookup=1'."),
+    difficulty: int = typer.Option(1, help="Task difficulty."),
+    group_size: int = typer.Option(8, help="Rollouts per task (G)."),
+    out: Optional[Path] = typer.Option(None, help="Output file (default: stdout)."),
+) -> None:
+    """Seeded tasks of the suite, one JSON object a line (what `rollout run --tasks` and `eval --tasks` read)."""
+    from forge_stream.tasks.suite import make_tasks, parse_mix, to_jsonl
+
+    text = to_jsonl(make_tasks(split, n, seed, parse_mix(mix), difficulty, group_size))
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {n} {split} tasks to {out}", err=True)

@@ -1,0 +1,38 @@
+"""The scripted teacher: the ideal conversation for a suite task, in OpenAI chat format.
+
+The conversation is what the example tool agent (examples/agents/tool_agent.py) would exchange with a model that
+always acts right: the same system prompt and tools, a tool call where the domain needs one (arguments as the
+engine's tool-call parser emits them), the tool's result as the agent reports it, and the bare answer.
+
+>>> conv = demonstration({"question": "What is 12 + 30?", "answer": "42"}, "agent")
+>>> [m["role"] for m in conv]
+['system', 'user', 'assistant', 'tool', 'assistant']
+>>> conv[2]["tool_calls"][0]["function"]["arguments"]
+'{"expression": "12 + 30"}'
+"""
+
+from __future__ import annotations
+
+import json
+
+from forge_stream.tasks.suite import SYSTEM
+
+
+def _call(name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+def demonstration(prompt: dict, domain: str) -> list[dict]:
+    """The ideal messages for one task: [system, user, (tool call, tool result)?, answer]."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt["question"]}]
+    if domain == "agent":
+        expression = prompt["question"].removeprefix("What is ").removesuffix("?")
+        messages += [_call("calculator", {"expression": expression}),
+                     {"role": "tool", "tool_call_id": "call_0", "content": prompt["answer"]}]
+    elif domain == "lookup":
+        key = prompt["question"].removeprefix("What is stored under ").removesuffix("?")
+        messages += [_call("lookup", {"key": key}),
+                     {"role": "tool", "tool_call_id": "call_0", "content": prompt["store"][key]}]
+    messages.append({"role": "assistant", "content": prompt["answer"]})
+    return messages

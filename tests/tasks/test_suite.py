@@ -1,0 +1,86 @@
+"""The shipped task suite: seeded, split by construction, graded, and demonstrable by the scripted teacher."""
+
+import json
+
+import pytest
+
+from forge_stream.engine.tool_calls import parse_tool_calls
+from forge_stream.rollout.graders import resolve
+from forge_stream.tasks.suite import DOMAINS, canonical, iter_tasks, make_tasks, parse_mix, split_of
+from forge_stream.tasks.teacher import demonstration
+
+
+def test_streams_are_seeded_and_splits_disjoint():
+    assert [t.prompt for t in make_tasks("train", 40, seed=3)] == [t.prompt for t in make_tasks("train", 40, seed=3)]
+    assert [t.prompt for t in make_tasks("train", 40, seed=3)] != [t.prompt for t in make_tasks("train", 40, seed=4)]
+    train = {canonical(t.prompt) for t in make_tasks("train", 2000, seed=0)}
+    heldout = {canonical(t.prompt) for t in make_tasks("heldout", 500, seed=0)}
+    assert train and heldout and not train & heldout
+    assert all(split_of(json.loads(c)) == "heldout" for c in heldout)
+
+
+def test_mixed_domains_follow_the_weights():
+    tasks = make_tasks("train", 600, seed=1)
+    counts = {d: sum(t.domain == d for t in tasks) for d in DOMAINS}
+    assert all(150 <= c <= 250 for c in counts.values()), counts
+    only = make_tasks("train", 50, seed=1, mix=parse_mix("lookup=1"))
+    assert {t.domain for t in only} == {"lookup"}
+    with pytest.raises(ValueError, match="unknown task domains"):
+        next(iter_tasks("train", mix={"poetry": 1.0}))
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_teacher_solves_every_family_and_the_grader_agrees(domain):
+    for task in make_tasks("train", 20, seed=2, mix={domain: 1.0}):
+        conv = demonstration(task.prompt, task.domain)
+        grade = resolve(task.grader)
+        assert grade(task.prompt, conv[-1]["content"]) == 1.0
+        assert grade(task.prompt, "I do not know") == 0.0
+        if domain == "reasoning":
+            assert [m["role"] for m in conv] == ["system", "user", "assistant"]
+        else:
+            call = conv[2]["tool_calls"][0]["function"]
+            assert call["name"] == {"agent": "calculator", "lookup": "lookup"}[domain]
+            if domain == "agent":  # the calculator's result is the answer: the tool is the only way
+                expression = json.loads(call["arguments"])["expression"]
+                assert str(eval(expression)) == task.prompt["answer"]  # noqa: S307 - generated arithmetic
+
+
+def test_difficulty_widens_the_operands():
+    easy = make_tasks("train", 30, seed=0, mix={"agent": 1.0}, difficulty=1)
+    hard = make_tasks("train", 30, seed=0, mix={"agent": 1.0}, difficulty=3)
+    width = lambda ts: max(len(t.prompt["question"].split()[2]) for t in ts)  # noqa: E731
+    assert width(hard) > width(easy)
+
+
+def test_the_example_agent_uses_the_suite_prompt_and_tools():
+    """SFT renders demonstrations with the suite's SYSTEM and TOOLS; the black-box agent must send the same."""
+    import importlib.util
+    from pathlib import Path
+
+    from forge_stream.tasks.suite import SYSTEM, TOOLS
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "tool_agent.py"
+    spec = importlib.util.spec_from_file_location("tool_agent", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert agent.SYSTEM == SYSTEM and agent.TOOLS == TOOLS
+
+
+def test_teacher_tool_calls_parse_as_the_engine_parses_them(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from forge_stream.trainer.sft import render_turns
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for task in make_tasks("train", 12, seed=5):
+        conv = demonstration(task.prompt, task.domain)
+        turns = render_turns(tokenizer, conv)
+        assert len(turns) == sum(m["role"] == "assistant" for m in conv)
+        first = tokenizer.decode(turns[0].completion_ids, skip_special_tokens=True)
+        parsed = parse_tool_calls(first)
+        if task.domain == "reasoning":
+            assert parsed.content == task.prompt["answer"] and not parsed.tool_calls
+        else:
+            assert parsed.tool_calls[0].arguments == conv[2]["tool_calls"][0]["function"]["arguments"]
+        assert turns[-1].completion_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
