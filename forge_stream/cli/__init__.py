@@ -2,8 +2,8 @@
 
 import typer
 
-from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, sink, topics,
-                              train, up)
+from forge_stream.cli import (bench, engine, gateway, model, plot, processors, replay, rollout, schemas, sink,
+                              topics, train, up)
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -18,6 +18,7 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(rollout.app, name="rollout")
 app.add_typer(sink.app, name="sink")
+app.add_typer(plot.app, name="plot")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
 
