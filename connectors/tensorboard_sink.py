@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,7 @@ class TensorBoardSink:
         self.writers: dict[str, object] = {}
         self.scalars_written = 0
         self.undecodable = 0
+        self._stop = threading.Event()
         self._assign()
 
     def _assign(self) -> None:
@@ -171,11 +173,15 @@ class TensorBoardSink:
         self.consumer.commit(offsets=[TopicPartition(t, p, offset) for (t, p), offset in self.positions.items()],
                              asynchronous=False)
 
+    def stop(self) -> None:
+        """Make `run` flush, commit and return (from another thread)."""
+        self._stop.set()
+
     def run(self) -> int:
-        """Consume until the end (or, following, until interrupted); returns the number of scalars written."""
+        """Consume until the end (or, following, until stopped); returns the number of scalars written."""
         last_flush = time.monotonic()
         try:
-            while self.settings.follow or not self.at_end():
+            while not self._stop.is_set() and (self.settings.follow or not self.at_end()):
                 msg = self.consumer.poll(0.5)
                 if msg is not None and not msg.error():
                     self.positions[(msg.topic(), msg.partition())] = msg.offset() + 1

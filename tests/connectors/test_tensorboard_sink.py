@@ -1,18 +1,24 @@
 """The TensorBoard sink turns TrainStep, EvalResult and Trajectory records from the real broker into scalars."""
 
+import threading
+import time
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_records import eval_result, train_step, trajectory
+from typer.testing import CliRunner
 
 from connectors.tensorboard_sink import TensorBoardSink, TensorBoardSinkSettings
+from forge_stream.cli import app
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
 
 def raw_scalars(logdir, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of a tag; none while the tag is not written yet."""
     acc = EventAccumulator(str(logdir))
     acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
 
 
 def scalars(logdir, tag: str) -> list[tuple[int, float]]:
@@ -55,5 +61,29 @@ def test_train_eval_and_rollout_scalars(kafka_bootstrap, run_id, tmp_path):
     assert {v for _, v in raw_scalars(logdir, "rollout/wall_time_s")} >= {1.5}
     assert written >= 4 * 17 + 3 * 4 + 6 * 5
 
-    again = TensorBoardSink(settings)  # the logdir's position was committed: nothing left to read
-    assert again.run() == 0
+    cli = ["sink", "tensorboard", "--logdir", str(tmp_path), "--run", run_id, "-b", kafka_bootstrap]
+    again = CliRunner().invoke(app, cli)  # the logdir's position was committed: nothing left to read
+    assert again.exit_code == 0 and "wrote 0 scalars" in again.output, again.output
+    replayed = CliRunner().invoke(app, cli + ["--from-beginning"])
+    assert replayed.exit_code == 0 and int(replayed.output.split()[1]) >= written, replayed.output
+
+
+def test_follow_writes_records_as_they_arrive(kafka_bootstrap, run_id, tmp_path):
+    sink = TensorBoardSink(TensorBoardSinkSettings(kafka_bootstrap, tmp_path, run=run_id, follow=True,
+                                                   flush_seconds=0.2))
+    worker = threading.Thread(target=sink.run)
+    worker.start()
+    try:
+        producer = EventProducer(kafka_bootstrap)
+        for step in range(3):
+            producer.send_sync(TOPICS.train_metrics, run_id, train_step(run_id, step))
+        producer.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                (tmp_path / run_id).exists() and len(raw_scalars(tmp_path / run_id, "train/loss")) == 3):
+            time.sleep(0.5)
+    finally:
+        sink.stop()
+        worker.join(30)
+    assert not worker.is_alive()
+    assert scalars(tmp_path / run_id, "train/loss") == [(s, 1.0 / (s + 1)) for s in range(3)]
