@@ -18,7 +18,8 @@ Offsets: partitions are assigned, not subscribed; the consumer group is named af
 filter), so each logdir has its own position, and offsets are committed only after the writers flushed. A re-run
 on the same logdir resumes where it stopped; `from_beginning` ignores the committed position. A record seen twice
 (a crash between flush and commit) writes the same value at the same step again, which changes no curve. Without
-`follow` the sink stops when it reached the end the topics had when it started.
+`follow` the sink stops when it reached the end the topics had when it started. The sink only watches: a record it
+cannot decode is counted, logged and skipped, and rejecting it to forge.dlq is left to the pipeline's own consumers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from torch.utils.tensorboard import SummaryWriter
 
 from forge_stream.events import DecodeError, decode
 from forge_stream.kafka.history import watermarks
@@ -111,7 +113,7 @@ class TensorBoardSink:
                                   "enable.auto.commit": False, "log_level": 0})
         self.positions: dict[tuple[str, int], int] = {}
         self.ends: dict[tuple[str, int], int] = {}
-        self.writers: dict[str, object] = {}
+        self.writers: dict[str, SummaryWriter] = {}
         self.scalars_written = 0
         self.undecodable = 0
         self._stop = threading.Event()
@@ -139,9 +141,7 @@ class TensorBoardSink:
                 time.sleep(0.2)
         raise AssertionError("unreachable")
 
-    def _writer(self, name: str):
-        from torch.utils.tensorboard import SummaryWriter
-
+    def _writer(self, name: str) -> SummaryWriter:
         if name not in self.writers:
             self.writers[name] = SummaryWriter(str(self.settings.logdir / name), flush_secs=3600)
         return self.writers[name]
@@ -186,7 +186,9 @@ class TensorBoardSink:
                 if msg is not None and not msg.error():
                     self.positions[(msg.topic(), msg.partition())] = msg.offset() + 1
                     try:
-                        _, record = decode(msg.value() or b"")
+                        schema, record = decode(msg.value() or b"")
+                        if schema not in TOPICS.by_name(msg.topic()).value_schemas:
+                            raise DecodeError(f"{msg.topic()} does not carry {schema}")
                     except DecodeError as exc:
                         self.undecodable += 1
                         log.warning("%s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
