@@ -2,8 +2,21 @@
 
 import typer
 
-from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, sft, sink, tasks,
-                              topics, train, up)
+from forge_stream.cli import bench
+from forge_stream.cli import engine
+from forge_stream.cli import gateway
+from forge_stream.cli import model
+from forge_stream.cli import plot
+from forge_stream.cli import processors
+from forge_stream.cli import replay
+from forge_stream.cli import rollout
+from forge_stream.cli import schemas
+from forge_stream.cli import sft
+from forge_stream.cli import sink
+from forge_stream.cli import tasks
+from forge_stream.cli import topics
+from forge_stream.cli import train
+from forge_stream.cli import up
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -19,6 +32,7 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(rollout.app, name="rollout")
 app.add_typer(sink.app, name="sink")
+app.add_typer(plot.app, name="plot")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
 app.add_typer(tasks.app, name="tasks")

@@ -1,4 +1,4 @@
-"""`forge-stream sink parquet`: write the reward and trajectory streams to Parquet for offline analysis."""
+"""`forge-stream sink parquet|tensorboard`: streams to Parquet files for offline analysis, or to TensorBoard."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from forge_stream.cli.options import BootstrapOption, settings
 
-app = typer.Typer(no_args_is_help=True, help="Sinks: streams to files.")
+app = typer.Typer(no_args_is_help=True, help="Sinks: streams to files (Parquet, TensorBoard).")
 
 
 @app.callback()
@@ -34,3 +34,25 @@ def parquet(
                                            flush_records, flush_seconds))
     rows = sink.run(idle_exit_seconds=idle_exit)
     typer.echo(f"wrote {rows} rows in {len(sink.files_written)} files under {out}")
+
+
+@app.command("tensorboard")
+def tensorboard(
+    logdir: Path = typer.Option(..., help="TensorBoard log folder (one subfolder per run)."),
+    run: Optional[str] = typer.Option(None, help="Only this training run (default: every run)."),
+    from_beginning: bool = typer.Option(False, "--from-beginning",
+                                        help="Ignore the position this logdir reached before; read all history."),
+    follow: bool = typer.Option(False, "--follow/--no-follow", help="Keep running; otherwise stop at the end."),
+    bootstrap_servers: Optional[str] = BootstrapOption,
+) -> None:
+    """Write training metrics, evaluations and rollout statistics as TensorBoard scalars."""
+    from connectors.tensorboard_sink import TensorBoardSink, TensorBoardSinkSettings
+
+    sink = TensorBoardSink(TensorBoardSinkSettings(settings(bootstrap_servers).bootstrap, logdir, run,
+                                                   from_beginning, follow))
+    try:
+        scalars = sink.run()
+    except KeyboardInterrupt:
+        scalars = sink.scalars_written
+    typer.echo(f"wrote {scalars} scalars under {logdir}" +
+               (f" ({sink.undecodable} undecodable records skipped)" if sink.undecodable else ""))
