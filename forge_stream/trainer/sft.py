@@ -4,8 +4,8 @@ Each demonstration (forge_stream.tasks.teacher) is rendered turn by turn exactly
 of assistant turn k is the model's chat template over the messages before it, with the suite's tools and the
 generation prompt; the completion is the template's text of that assistant message up to and including
 `<|im_end|>` (the engine's stop token), so tool calls are in the very format the engine's parser reads. A task's
-turns share their prefixes, so they are one prefix tree; a batch of tasks is a forest, and one
-`sequence_logprobs` call trains it. The loss is the mean negative log-likelihood of the assistant tokens only.
+turns share their prefixes, and all tasks share the system prompt and tools, so a whole batch is one prefix tree
+and one `sequence_logprobs` call trains it. The loss is the mean negative log-likelihood of the assistant tokens only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.tasks.suite import TOOLS, make_tasks
 from forge_stream.tasks.teacher import demonstration
-from forge_stream.tree import merge, pack, sequence_logprobs
+from forge_stream.tree import pack, sequence_logprobs
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,8 @@ def demonstrations(tokenizer, settings: SftSettings) -> list[list[Turn]]:
 
 def sft_loss(model: torch.nn.Module, batch: list[list[Turn]]) -> torch.Tensor:
     """Mean NLL of the assistant tokens of a batch of demonstrations, one forest forward pass."""
-    trees = [pack([t.prompt_ids + t.completion_ids for t in demo]) for demo in batch]
-    forest = merge(trees)
     turns = [t for demo in batch for t in demo]
-    logprobs = sequence_logprobs(model, forest)
+    logprobs = sequence_logprobs(model, pack([t.prompt_ids + t.completion_ids for t in turns]))
     completion = torch.cat([lp[len(t.prompt_ids) - 1:] for lp, t in zip(logprobs, turns)])
     return -completion.mean()
 
