@@ -4,6 +4,8 @@ Inputs (all keyed by group_id, 4 partitions, so a group's events meet in one par
 forge.tasks, forge.sessions, forge.completions, forge.tool_spans, forge.rewards.
 Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components), forge.dlq.
 
+- settings: one ProcessorSettings (reward rules, gamma, advantage mode "rollout" or "turn", timeouts), built by
+  `forge-stream processors run` (--gamma, --advantage, --group-timeout-s) and passed in TopologyConfig.
 - agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state in the
   `groups` table (memory store, rebuilt from its compacted changelog topic on restart) and publishes what
   the fold returns. Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.

@@ -21,7 +21,8 @@ def serve(
     max_model_len: int = typer.Option(None, help="Prompt + completion limit (default: the model's)."),
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="torch dtype of the weights."),
-    logprobs_mode: str = typer.Option("raw", help="raw: model logprobs (default, like vLLM); processed."),
+    logprobs_mode: str = typer.Option("processed", help="processed: logprobs of the distribution sampled from "
+                                                        "(after temperature, top_p); raw: the model's at T=1."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
                                           help="Follow forge.policy on this Kafka and load each new version."),
     policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),

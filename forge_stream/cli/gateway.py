@@ -22,6 +22,9 @@ def serve(
     max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
     ack_timeout_ms: int = typer.Option(10_000, help="Kafka acknowledgement timeout (then 503)."),
     policy_version: int = typer.Option(0, help="Policy version for engines whose responses carry none."),
+    engine_logprobs_mode: str = typer.Option(
+        "processed", help="What the engines' logprobs are, recorded on each Completion: processed (of the "
+                          "distribution sampled from; vLLM: --logprobs-mode processed_logprobs) or raw."),
 ) -> None:
     """Serve the gateway (uvicorn, with uvloop and httptools when installed)."""
     import uvicorn
@@ -32,5 +35,6 @@ def serve(
     gateway = GatewaySettings(
         engines=tuple(engine), bootstrap=settings(bootstrap_servers).bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
-        ack_timeout_ms=ack_timeout_ms, default_policy_version=policy_version)
+        ack_timeout_ms=ack_timeout_ms, default_policy_version=policy_version,
+        engine_logprobs_mode=engine_logprobs_mode)
     uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False)

@@ -18,7 +18,9 @@ def run(
     data_dir: Optional[Path] = typer.Option(None, help="Worker state directory (default: FORGE_HOME/processors)."),
     app_id: str = typer.Option("forge-processors", help="Names the consumer group, changelog and internal topics."),
     group_timeout_s: float = typer.Option(600.0, help="Close a group this long after its first event."),
-    gamma: float = typer.Option(1.0, help="Reward-to-go discount."),
+    gamma: float = typer.Option(1.0, help="Reward-to-go discount (turn advantages)."),
+    advantage: str = typer.Option("rollout", help="rollout: GRPO, each rollout's return normalized over the "
+                                                  "group's rollouts; turn: reward-to-go normalized over all turns."),
     tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
@@ -30,7 +32,8 @@ def run(
     forge = settings(bootstrap_servers)
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
-        processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma),
+        processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
+                                     advantage=advantage),
         tick_s=tick_s, offset_reset=offset_reset,
     )
     run_worker(config, loglevel)

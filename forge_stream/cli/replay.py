@@ -36,6 +36,9 @@ def replay(
     checkpoint_dir: Optional[Path] = typer.Option(None, help="Default: $FORGE_HOME/checkpoints/<run>."),
     batch_size: int = typer.Option(8, help="Groups per optimizer step."),
     lr: float = typer.Option(1e-5, help="AdamW learning rate."),
+    loss: str = typer.Option("cispo", help="cispo or ppo."),
+    eps_low: Optional[float] = typer.Option(None, help="Ratio clip 1 - eps_low (default: the loss's own)."),
+    eps_high: Optional[float] = typer.Option(None, help="Ratio clip 1 + eps_high (default: the loss's own)."),
     bootstrap_servers: Optional[str] = BootstrapOption,
     as_json: bool = JsonOption,
 ) -> None:
@@ -43,12 +46,13 @@ def replay(
     from forge_stream.kafka.history import Slice
     from forge_stream.trainer.replay import ReplaySettings
     from forge_stream.trainer.replay import replay as run_replay
-    from forge_stream.trainer.step import StepConfig
+    from forge_stream.trainer.step import StepConfig, clip_for
 
     cfg = settings(bootstrap_servers)
     where = Slice(to_ms(start), to_ms(end), offsets(from_offsets), offsets(to_offsets))
     result = run_replay(ReplaySettings(cfg.bootstrap, model or cfg.model_dir, checkpoint_dir or cfg.checkpoint_dir / run,
-                                       run, where, batch_size, StepConfig(lr=lr)),
+                                       run, where, batch_size,
+                                       StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr)),
                         progress=lambda line: typer.echo(line, err=True))
     if as_json:
         typer.echo(json.dumps(result))

@@ -1,4 +1,4 @@
-"""`forge-stream train`: the trainer process (windowed FIFO consumer + tree-packed CISPO + policy publishing)."""
+"""`forge-stream train`: the trainer process (windowed FIFO consumer + tree-packed CISPO or PPO + policy publishing)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,10 @@ def train(
     stale_action: str = typer.Option("keep", help="keep (and count) or drop (and record) samples over the bound."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-5, help="AdamW learning rate."),
-    eps_high: float = typer.Option(4.0, help="Upper clip of the importance weight (CISPO: 1 + eps_high)."),
+    eps_low: Optional[float] = typer.Option(None, help="Ratio clip 1 - eps_low (default: the loss's own: "
+                                                        "CISPO none, PPO 0.2)."),
+    eps_high: Optional[float] = typer.Option(None, help="Ratio clip 1 + eps_high (default: the loss's own: "
+                                                         "CISPO 4.0, PPO 0.2)."),
     token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
     wait_s: float = typer.Option(5.0, help="Train a partial batch after waiting this long for a full one."),
     from_now: bool = typer.Option(False, help="A new run trains only on tasks submitted from now on."),
@@ -45,7 +48,7 @@ def train(
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
     from forge_stream.scheduler.consumer import SchedulerSettings
     from forge_stream.trainer.service import TrainerSettings, run_trainer
-    from forge_stream.trainer.step import StepConfig
+    from forge_stream.trainer.step import StepConfig, clip_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
@@ -55,6 +58,7 @@ def train(
                                   stale_action=stale_action)
     trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
                               checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
-                              step=StepConfig(loss=loss, lr=lr, eps_high=eps_high, token_budget=token_budget),
+                              step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr,
+                                              token_budget=token_budget),
                               wait_s=wait_s, from_now=from_now)
     run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True))

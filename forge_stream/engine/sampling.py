@@ -1,10 +1,12 @@
 """Token choice for one sequence: temperature, top-p, a per-sequence seeded generator, and the logprobs we report.
 
-Reported logprobs follow vLLM's default `--logprobs-mode raw_logprobs`: the log-softmax of the model's raw
-logits (temperature 1, no top-p), i.e. exactly what a trainer recomputes as the old policy's logprob. With
-`logprobs_mode="processed"` they are the log-softmax of the distribution actually sampled from (after
-temperature and top-p), like vLLM's `processed_logprobs`. Greedy decoding (temperature 0) reports raw logprobs
-in both modes.
+Decision: the reported logprobs are those of the distribution actually sampled from (`logprobs_mode=
+"processed"`, the default): the log-softmax after temperature and top-p, like vLLM's `--logprobs-mode
+processed_logprobs`. They are the behaviour policy's probabilities, so the trainer's ratio pi_theta / pi_old
+is the exact importance weight for both policy staleness and the sampling settings (see
+forge_stream.trainer.losses). `logprobs_mode="raw"` reports the log-softmax of the model's raw logits
+(temperature 1, no top-p), vLLM's default `raw_logprobs`. Greedy decoding (temperature 0) reports raw
+logprobs in both modes.
 """
 
 from dataclasses import dataclass, field
@@ -60,7 +62,7 @@ def _top_p_filter(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           mode: LogprobsMode = "raw") -> Choice:
+           mode: LogprobsMode = "processed") -> Choice:
     """Pick the next token from one row of float32 logits and report its logprob (see module docstring)."""
     raw = torch.log_softmax(logits, dim=-1)
     if params.temperature == 0.0:

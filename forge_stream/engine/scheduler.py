@@ -137,7 +137,7 @@ class Scheduler:
     """Runs the generation loop in a worker thread; `submit` and `swap` are safe from any thread."""
 
     def __init__(self, loaded: LoadedModel, decode: Callable[[list[int], bool], str], eos_ids: set[int],
-                 max_batch_size: int, max_model_len: int, logprobs_mode: LogprobsMode = "raw",
+                 max_batch_size: int, max_model_len: int, logprobs_mode: LogprobsMode = "processed",
                  device: str = "cpu"):
         self.current = loaded
         self._device = torch.device(device)

@@ -18,7 +18,7 @@ class EngineSettings:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    logprobs_mode: LogprobsMode = "raw"
+    logprobs_mode: LogprobsMode = "processed"  # see forge_stream.engine.sampling
 
     @property
     def model_name(self) -> str:

@@ -5,6 +5,10 @@ The gateway never tokenizes. It reads the ids and logprobs the engine returned i
 on a completions response, `token_ids` per choice (per chunk: that chunk's new tokens), and logprobs in OpenAI's
 format (chat: `logprobs.content[*].logprob`; completions: `logprobs.token_logprobs`). A choice that lacks any of
 them, or whose logprobs do not line up with its tokens, is recorded as untrainable with the reason.
+
+Each Completion also records how it was sampled: the request's `temperature` and `top_p` (OpenAI's defaults,
+1.0, when absent) and the engine's logprobs mode (`GatewaySettings.engine_logprobs_mode`, since engines do not
+report it): "processed" when the logprobs are those of the distribution actually sampled from.
 """
 
 from __future__ import annotations
@@ -160,6 +164,19 @@ class RequestContext:
     kind: Kind
     messages_json: str  # chat: the messages; completions: the prompt(s)
     tools_json: str | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs_mode: str = "processed"
+
+
+def sampling_setting(body: dict, name: str) -> float:
+    """A request's `temperature` or `top_p` as the engine applied it (absent or null: OpenAI's default 1.0).
+
+    >>> sampling_setting({"temperature": 0}, "temperature"), sampling_setting({"top_p": None}, "top_p")
+    (0.0, 1.0)
+    """
+    value = body.get(name)
+    return 1.0 if value is None else float(value)
 
 
 def dumps(value) -> str:
@@ -208,4 +225,7 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "first_token_ms": first_token_ms,
         "done_ms": done_ms,
         "agent": ctx.agent,
+        "temperature": ctx.temperature,
+        "top_p": ctx.top_p,
+        "logprobs_mode": ctx.logprobs_mode,
     }

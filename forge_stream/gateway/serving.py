@@ -4,6 +4,10 @@ A caller's answer always waits for Kafka: a completion's body (or a stream's fin
 after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
 session's state (turn counter, pending tool calls) is rolled back.
+
+A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
+(inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
+wait for them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from forge_stream.gateway.protocol import (
 )
 from forge_stream.gateway.recording import (
     ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, completion_choices, completion_record, dumps,
+    sampling_setting,
 )
 from forge_stream.gateway.sessions import Session, SessionStore
 from forge_stream.gateway.settings import GatewaySettings
@@ -61,6 +66,10 @@ def check_request(kind: Kind, body) -> int:
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
         raise invalid("'n' must be an integer from 1 to 128.", "n")
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise invalid(f"'{name}' must be a number.", name)
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise invalid("'stream' must be a boolean.", "stream")
     return n
@@ -156,6 +165,7 @@ class GatewayService:
             session.restore(replaced)
             raise
         session.explicit.update(s.tool_call_id for s in posted.spans if s.tool_call_id)
+        session.span_ids.update(r["span_id"] for r in records)
         return [r["event_id"] for r in records]
 
     async def finish(self, session: Session, request: FinishIn) -> list[str]:
@@ -164,7 +174,8 @@ class GatewayService:
         keys = session.keys
         record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,
                   "group_id": keys.group_id, "task_id": keys.task_id, "status": request.status,
-                  "num_completions": session.completions, "reason": request.reason}
+                  "num_completions": session.completions, "reason": request.reason,
+                  "num_tool_spans": len(session.span_ids)}
         try:
             await self.publish([(TOPICS.sessions, keys.group_id, record, "SessionFinished")])
         except GatewayError:
@@ -228,7 +239,9 @@ class GatewayService:
             session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
             agent=agent, received_ms=received, kind=kind,
             messages_json=dumps(body["messages"] if kind == "chat" else body["prompt"]),
-            tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None)
+            tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
+            temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
+            logprobs_mode=self.settings.engine_logprobs_mode)
         stream = bool(body.get("stream"))
         try:
             response, engine = await self._send(keys.group_id, "POST", PATHS[kind], upstream_body(kind, body))
@@ -269,6 +282,7 @@ class GatewayService:
                 session.turns = turn
             raise
         session.completions += len(records)
+        session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):
             session.add_pending(pending_calls(choice.tool_calls, issued_ms=done,
                                               completion_id=record["completion_id"], agent=ctx.agent))

@@ -23,6 +23,7 @@ class Session:
     completions: int = 0  # Completion events recorded
     pending: dict[str, PendingCall] = field(default_factory=dict)
     explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
+    span_ids: set[str] = field(default_factory=set)  # distinct span ids of the ToolSpans recorded
 
     @property
     def id(self) -> str:

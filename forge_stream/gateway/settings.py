@@ -27,6 +27,9 @@ class GatewaySettings:
     linger_ms: float = 2.0  # producer batching: more acks per Kafka request vs latency at low load
     retry_after_s: int = 2
     default_policy_version: int = 0  # for engines (vLLM) whose responses carry no policy_version
+    # what the engines' logprobs are (recorded on each Completion): "processed" = of the distribution sampled
+    # from (the local engine's default; vLLM with --logprobs-mode processed_logprobs), "raw" = temperature 1
+    engine_logprobs_mode: str = "processed"
 
     @property
     def auth(self) -> bool:

@@ -3,10 +3,14 @@
 This is the whole processing logic of a rollout group, free of Kafka: the faust topology in `topologies/`
 only decodes, calls these and sends what they return. Outputs carry deterministic ids and times derived from
 the group's events, so a replay re-emits identical records:
-- one Trajectory per included session   (id: deterministic_id("trajectory", group_id, session_id));
-- Reward components (kind process / time / total) (id: deterministic_id("reward", group, session, turn, kind, name));
+- one Trajectory per rollout of an included session (forge_stream.processors.rollouts: the session's main line
+  and one sibling per extra choice of an n > 1 request) (id: deterministic_id("trajectory", group_id, rollout));
+- Reward components (kind process / time / total) of each rollout's own turns, metadata {"choice_index": c}
+  for a sibling rollout (id: deterministic_id("reward", group, rollout, turn, kind, name));
 - one TrainSample per group               (id: deterministic_id("sample", group_id)).
 Their event_time is the group's last event time when it completes, or its deadline when it times out.
+An evaluation group (a session started with metadata {"purpose": "eval"}) emits nothing: its state becomes a
+closed marker as soon as that SessionStarted is read, dropping whatever arrived before it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from forge_stream.events import deterministic_id
 from forge_stream.processors import groups
-from forge_stream.processors.rewards import Turn, score_group, session_outcomes, wall_time_ms
+from forge_stream.processors.rewards import Rollout, Turn, score_group, wall_time_ms
 from forge_stream.processors.sample import build_sample, trainable
 from forge_stream.processors.settings import ProcessorSettings
 from forge_stream.topics import TOPICS, Topic
@@ -38,6 +42,8 @@ def fold(state: dict | None, schema: str, record: dict, settings: ProcessorSetti
     if schema == "Reward" and record["source"] == settings.source:
         return state, []
     state = groups.apply(state or groups.new_group(record["group_id"], partition), schema, record, settings)
+    if groups.is_eval_start(schema, record):
+        return groups.closed_marker(state, state["last_ms"]), []
     if groups.is_complete(state):
         return close(state, complete=True, settings=settings)
     return state, []
@@ -57,23 +63,22 @@ def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dic
     closed_ms = state["last_ms"] if complete else groups.deadline_ms(state, settings)
     done = groups.done_sessions(state)
     missing = sorted(set(state["sessions"]) - set(done))
-    scored = score_group(state, done, settings)
+    rollouts = score_group(state, done, settings)
     task = state["task"]
     gid = state["group_id"]
     task_id = task["task_id"] if task else _task_id(state)
     task_seq = task["seq"] if task else -1
-    emits = _reward_events(gid, task_id, scored, closed_ms, settings)
-    outcomes = session_outcomes(state, done, settings)
-    for sid in done:
+    emits = _reward_events(gid, task_id, rollouts, closed_ms, settings)
+    for r in rollouts:
         emits.append(Emit(TOPICS.trajectories, gid, "Trajectory", {
-            "event_id": deterministic_id("trajectory", gid, sid), "event_time": closed_ms,
-            "group_id": gid, "task_id": task_id, "task_seq": task_seq, "session_id": sid,
-            "status": state["sessions"][sid]["finished"]["status"], "outcome_reward": outcomes[sid],
-            "wall_time_ms": wall_time_ms(state, sid), "turns": [_turn_record(t) for t in scored[sid]],
-            "group_complete": complete, "missing_sessions": missing,
+            "event_id": deterministic_id("trajectory", gid, r.rollout_id), "event_time": closed_ms,
+            "group_id": gid, "task_id": task_id, "task_seq": task_seq, "session_id": r.session_id,
+            "choice_index": r.choice_index, "status": state["sessions"][r.session_id]["finished"]["status"],
+            "outcome_reward": r.outcome, "wall_time_ms": wall_time_ms(state, r.session_id),
+            "turns": [_turn_record(t) for t in r.turns], "group_complete": complete, "missing_sessions": missing,
         }))
     if task is not None:
-        sample = build_sample([t for sid in done for t in scored[sid]], {
+        sample = build_sample(rollouts, {
             "event_id": deterministic_id("sample", gid), "event_time": closed_ms, "group_id": gid,
             "task_id": task_id, "task_seq": task_seq, "domain": task["domain"], "group_complete": complete,
         })
@@ -99,22 +104,24 @@ def _turn_record(turn: Turn) -> dict:
     }
 
 
-def _reward_events(gid: str, task_id: str, scored: dict[str, list[Turn]], closed_ms: int,
+def _reward_events(gid: str, task_id: str, rollouts: list[Rollout], closed_ms: int,
                    settings: ProcessorSettings) -> list[Emit]:
-    """Every nonzero process component, each session's time reward and every turn's composite total."""
-    def reward(sid: str, turn: int | None, kind: str, name: str, value: float) -> Emit:
+    """Every nonzero process component and the composite total of each rollout's own turns (a shared prefix
+    turn is reported once, by lane 0), and each rollout's time reward."""
+    def reward(r: Rollout, turn: int | None, kind: str, name: str, value: float) -> Emit:
         return Emit(TOPICS.rewards, gid, "Reward", {
-            "event_id": deterministic_id("reward", gid, sid, turn, kind, name), "event_time": closed_ms,
-            "group_id": gid, "task_id": task_id, "session_id": sid, "kind": kind, "name": name,
-            "value": value, "turn": turn, "source": settings.source, "metadata": {},
+            "event_id": deterministic_id("reward", gid, r.rollout_id, turn, kind, name), "event_time": closed_ms,
+            "group_id": gid, "task_id": task_id, "session_id": r.session_id, "kind": kind, "name": name,
+            "value": value, "turn": turn, "source": settings.source,
+            "metadata": {"choice_index": str(r.choice_index)} if r.choice_index else {},
         })
 
     out = []
-    for sid, turns in scored.items():
-        for t in turns:
+    for r in rollouts:
+        for t in r.own_turns:
             k = t.completion["turn"]
-            out.extend(reward(sid, k, "process", name, v) for name, v in sorted(t.process.items()) if v != 0.0)
-            out.append(reward(sid, k, "total", "composite", t.reward))
-        if turns:
-            out.append(reward(sid, None, "time", "completion_time", turns[-1].time))
+            out.extend(reward(r, k, "process", name, v) for name, v in sorted(t.process.items()) if v != 0.0)
+            out.append(reward(r, k, "total", "composite", t.reward))
+        if r.turns:
+            out.append(reward(r, None, "time", "completion_time", r.time))
     return out

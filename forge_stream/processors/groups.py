@@ -7,11 +7,16 @@ A group is one task instance (its Task event gives G, seq and domain) and its G 
      "completions": {completion_id: Completion}, "spans": {span_id: ToolSpan},
      "rewards": {event_id: Reward}, "closed": False}
 
-A session is *done* when its SessionFinished arrived, so did the `num_completions` completions it reports,
-and either an outcome Reward arrived for it or its status is not ok (a failed rollout needs no grade).
-ToolSpans have no such count: a span read after its group closed is ignored like any late event. The group is *complete* when its Task arrived and G
-sessions are done. Every event is stored under its own identity, so a redelivered event changes nothing.
-Rewards published by the processors themselves (source == settings.source) are not read back.
+A session is *done* when its SessionFinished arrived, so did the `num_completions` completions it reports
+(counted once per (choice_index, turn): a retried turn is one completion) and the `num_tool_spans` ToolSpans
+(distinct span ids), and either an outcome Reward arrived for it or its status is not ok (a failed rollout
+needs no grade). The group is *complete* when its Task arrived and G sessions are done. Every event is stored
+under its own identity, so a redelivered event changes nothing; of an inferred and an explicit span with the
+same span id the explicit one is kept, whatever their order. Rewards published by the processors themselves
+(source == settings.source) are not read back.
+
+A session started with metadata {"purpose": "eval"} makes its group an evaluation group (`is_eval_start`): the
+fold drops it without any output.
 
 After the group's sample is emitted its state shrinks to a closed marker (`closed_marker`): later and
 replayed events for it are ignored until the marker is forgotten (`forget_closed_ms` after closing).
@@ -19,6 +24,7 @@ replayed events for it are ignored until the marker is forgotten (`forget_closed
 
 from __future__ import annotations
 
+from forge_stream.processors.rollouts import latest_completions
 from forge_stream.processors.settings import ProcessorSettings
 
 INPUT_SCHEMAS = ("Task", "SessionStarted", "SessionFinished", "Completion", "ToolSpan", "Reward")
@@ -45,6 +51,14 @@ def validate(schema: str, record: dict) -> None:
         n, m = len(record["completion_token_ids"]), len(record["completion_logprobs"])
         if n != m:
             raise InvalidEvent(f"Completion {record['completion_id']}: {n} completion tokens but {m} logprobs")
+    if schema == "Reward" and not record["metadata"].get("choice_index", "0").isdigit():
+        raise InvalidEvent(f"Reward {record['event_id']}: metadata choice_index "
+                           f"{record['metadata']['choice_index']!r} is not a choice index")
+
+
+def is_eval_start(schema: str, record: dict) -> bool:
+    """A SessionStarted of an evaluation session: its group is never trained on."""
+    return schema == "SessionStarted" and record["metadata"].get("purpose") == "eval"
 
 
 def apply(state: dict, schema: str, record: dict, settings: ProcessorSettings) -> dict:
@@ -65,7 +79,9 @@ def apply(state: dict, schema: str, record: dict, settings: ProcessorSettings) -
         state["completions"][record["completion_id"]] = record
     elif schema == "ToolSpan":
         _session(state, record["session_id"])
-        state["spans"][record["span_id"]] = record
+        held = state["spans"].get(record["span_id"])
+        if held is None or held["source"] != "explicit" or record["source"] == "explicit":
+            state["spans"][record["span_id"]] = record
     elif schema == "Reward" and record["source"] != settings.source:
         if record.get("session_id"):
             _session(state, record["session_id"])
@@ -87,15 +103,17 @@ def outcome_rewards(state: dict) -> dict[str, list[dict]]:
 
 
 def done_sessions(state: dict) -> list[str]:
-    """Sessions that finished, whose `num_completions` completions all arrived and that, if their status is
-    ok, have an outcome reward (sorted ids). Topics are consumed in no particular order relative to each
-    other, so a SessionFinished may be read before the session's last Completion."""
+    """Sessions that finished, whose `num_completions` completions and `num_tool_spans` spans all arrived and
+    that, if their status is ok, have an outcome reward (sorted ids). Topics are consumed in no particular order
+    relative to each other, so a SessionFinished may be read before the session's last Completion or ToolSpan."""
     graded = outcome_rewards(state)
-    received: dict[str, int] = {}
-    for comp in state["completions"].values():
-        received[comp["session_id"]] = received.get(comp["session_id"], 0) + 1
+    spans: dict[str, int] = {}
+    for span in state["spans"].values():
+        spans[span["session_id"]] = spans.get(span["session_id"], 0) + 1
     return sorted(sid for sid, s in state["sessions"].items()
-                  if s["finished"] is not None and received.get(sid, 0) >= s["finished"]["num_completions"]
+                  if s["finished"] is not None
+                  and len(latest_completions(state, sid)) >= s["finished"]["num_completions"]
+                  and spans.get(sid, 0) >= s["finished"]["num_tool_spans"]
                   and (sid in graded or s["finished"]["status"] != "ok"))
 
 

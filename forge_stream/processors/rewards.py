@@ -1,14 +1,22 @@
-"""Composite rewards per turn, reward-to-go and group-normalized advantages (DESIGN sections 5.2, 5.3, 8).
+"""Composite rewards per turn, reward-to-go and group advantages over rollouts (DESIGN sections 5.2, 5.3, 8).
 
-Per turn k of a session: r_k = process_k + [k is the last turn] * (outcome + time), where
-- process_k is the weighted sum of the process rules on that turn plus any grader `process` rewards for it;
-- time is the task-completion-time reward of the session: among the group's successful rollouts (outcome at
-  least `success_threshold`) with wall times t_i, time_i = w * (mean(t) - t_i) / (max(t) - min(t)), so faster is
-  better, it sums to zero over them and lies in [-w, w]; unsuccessful rollouts, or fewer than two successful
-  ones with distinct times, get 0;
-- outcome is the sum of the session's grader outcome rewards.
-Reward-to-go G_k = sum_{j>=k} gamma^(j-k) r_j; the advantage of a turn is (G_k - mean) / std over all turns of
-the group (population std; all zero when std is 0).
+The unit is the rollout (forge_stream.processors.rollouts: a session's main line, or a sibling choice of an
+n > 1 request with its shared prefix). Per turn k of a rollout: r_k = process_k + [k is its last turn] *
+(outcome + time), where
+- process_k is the weighted sum of the process rules on that turn plus any grader `process` rewards for it
+  (a grader reward whose metadata has `choice_index` targets that choice's completion, else choice 0's);
+- time is the task-completion-time reward of the rollout: among the group's successful rollouts (outcome at
+  least `success_threshold`) with wall times t_i (their session's), time_i = w * (mean(t) - t_i) /
+  (max(t) - min(t)), so faster is better, it sums to zero over them and lies in [-w, w]; unsuccessful
+  rollouts, or fewer than two successful ones with distinct times, get 0;
+- outcome is the sum of the grader outcome rewards of its session that target the whole session or its lane
+  (metadata `choice_index`); `missing_outcome_reward` when there is none.
+Advantages (`ProcessorSettings.advantage`):
+- "rollout" (default, GRPO): each rollout's return R_i = sum_k r_k; A_i = (R_i - mean(R)) / std(R) over the
+  group's rollouts that have turns (population std; all zero when std is 0); every turn of rollout i gets A_i.
+- "turn": reward-to-go G_k = sum_{j>=k} gamma^(j-k) r_j per rollout, normalized over all turns of the group's
+  rollouts (mean 0, std 1, all zero when std is 0).
+A turn of a shared prefix is scored in each rollout that contains it, with that rollout's advantage.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from forge_stream.processors.rollouts import RolloutSpec, reward_choice, session_rollouts
 from forge_stream.processors.rules import TurnContext, load_rule
-from forge_stream.processors.settings import ProcessorSettings
+from forge_stream.processors.settings import AdvantageMode, ProcessorSettings
 
 
 @dataclass
@@ -35,10 +44,21 @@ class Turn:
         return sum(self.process.values())
 
 
-def session_turns(state: dict, session_id: str) -> list[dict]:
-    """The session's completions in turn order (ties broken by completion id, so the order is deterministic)."""
-    comps = [c for c in state["completions"].values() if c["session_id"] == session_id]
-    return sorted(comps, key=lambda c: (c["turn"], c["completion_id"]))
+@dataclass
+class Rollout:
+    """One scored rollout: its turns (shared prefix included) and its outcome and time rewards."""
+
+    rollout_id: str
+    session_id: str
+    choice_index: int
+    turns: list[Turn]
+    outcome: float = 0.0
+    time: float = 0.0
+
+    @property
+    def own_turns(self) -> list[Turn]:
+        """The turns that are this lane's own completions (not the borrowed lane-0 prefix)."""
+        return [t for t in self.turns if t.completion["choice_index"] == self.choice_index]
 
 
 def turn_spans(state: dict, completion_id: str) -> tuple[dict, ...]:
@@ -62,7 +82,7 @@ def wall_time_ms(state: dict, session_id: str) -> int | None:
     session = state["sessions"][session_id]
     if session["started_ms"] is not None and session["finished"] is not None:
         return session["finished"]["event_time"] - session["started_ms"]
-    comps = session_turns(state, session_id)
+    comps = [c for c in state["completions"].values() if c["session_id"] == session_id]
     if not comps:
         return None
     return max(c["done_ms"] for c in comps) - min(c["received_ms"] for c in comps)
@@ -117,42 +137,74 @@ def normalize(values: list[float]) -> list[float]:
     return [(v - mean) / std for v in values]
 
 
-def score_group(state: dict, session_ids: list[str], settings: ProcessorSettings) -> dict[str, list[Turn]]:
-    """Composite reward, reward-to-go and advantage of every turn of the given sessions."""
-    outcomes = session_outcomes(state, session_ids, settings)
-    external_process: dict[tuple[str, int], float] = {}
+def advantages(rewards: list[list[float]], gamma: float, mode: AdvantageMode) -> list[list[float]]:
+    """Per-turn advantages of a group's rollouts from their per-turn composite rewards (module docstring).
+
+    >>> advantages([[0.25, 0.75], [0.0, 0.0]], 1.0, "rollout")
+    [[1.0, 1.0], [-1.0, -1.0]]
+    >>> advantages([[1.0], [0.0, 0.0, 0.0], []], 1.0, "rollout")
+    [[1.0], [-1.0, -1.0, -1.0], []]
+    >>> [[round(a, 3) for a in r] for r in advantages([[1.0], [0.0, 0.0, 0.0]], 1.0, "turn")]
+    [[1.732], [-0.577, -0.577, -0.577]]
+    """
+    if mode == "rollout":
+        scored = [i for i, r in enumerate(rewards) if r]
+        returns = dict(zip(scored, normalize([math.fsum(rewards[i]) for i in scored])))
+        return [[returns[i]] * len(r) if r else [] for i, r in enumerate(rewards)]
+    if mode != "turn":
+        raise ValueError(f"unknown advantage mode {mode!r} (rollout or turn)")
+    togo = [reward_to_go(r, gamma) for r in rewards]
+    flat = iter(normalize([g for gs in togo for g in gs]))
+    return [[next(flat) for _ in gs] for gs in togo]
+
+
+def score_group(state: dict, session_ids: list[str], settings: ProcessorSettings) -> list[Rollout]:
+    """Composite reward, reward-to-go and advantage of every turn of the given sessions' rollouts."""
+    specs = [spec for sid in session_ids for spec in session_rollouts(state, sid)]
+    outcomes = rollout_outcomes(state, specs, settings)
+    external_process: dict[tuple[str, int, int], float] = {}
     for reward in sorted(state["rewards"].values(), key=lambda r: r["event_id"]):
         sid = reward.get("session_id")
         if reward["kind"] == "process" and sid and reward.get("turn") is not None:
-            key = (sid, reward["turn"])
+            key = (sid, reward_choice(reward) or 0, reward["turn"])
             external_process[key] = external_process.get(key, 0.0) + reward["value"]
-    times = time_rewards({sid: wall_time_ms(state, sid) for sid in session_ids}, outcomes, settings)
+    times = time_rewards({s.rollout_id: wall_time_ms(state, s.session_id) for s in specs}, outcomes, settings)
 
-    scored: dict[str, list[Turn]] = {}
-    for sid in session_ids:
+    rollouts = []
+    for spec in specs:
         turns = []
-        for comp in session_turns(state, sid):
+        for comp in spec.completions:
             turn = Turn(comp, process_rewards(TurnContext(comp, turn_spans(state, comp["completion_id"])), settings))
-            if (sid, comp["turn"]) in external_process:
-                turn.process["grader"] = external_process[(sid, comp["turn"])]
+            key = (spec.session_id, comp["choice_index"], comp["turn"])
+            if key in external_process:
+                turn.process["grader"] = external_process[key]
             turns.append(turn)
+        rollout = Rollout(spec.rollout_id, spec.session_id, spec.choice_index, turns,
+                          outcomes[spec.rollout_id], times[spec.rollout_id])
         if turns:
-            turns[-1].outcome, turns[-1].time = outcomes[sid], times[sid]
+            turns[-1].outcome, turns[-1].time = rollout.outcome, rollout.time
         for turn in turns:
             turn.reward = turn.process_reward + turn.outcome + turn.time
         for turn, g in zip(turns, reward_to_go([t.reward for t in turns], settings.gamma)):
             turn.reward_to_go = g
-        scored[sid] = turns
-    flat = [t for sid in session_ids for t in scored[sid]]
-    for turn, adv in zip(flat, normalize([t.reward_to_go for t in flat])):
-        turn.advantage = adv
-    return scored
+        rollouts.append(rollout)
+    per_turn = advantages([[t.reward for t in r.turns] for r in rollouts], settings.gamma, settings.advantage)
+    for rollout, advs in zip(rollouts, per_turn):
+        for turn, adv in zip(rollout.turns, advs):
+            turn.advantage = adv
+    return rollouts
 
 
-def session_outcomes(state: dict, session_ids: list[str], settings: ProcessorSettings) -> dict[str, float]:
-    """Sum of each session's grader outcome rewards; `missing_outcome_reward` for an ungraded session."""
-    out = {sid: [] for sid in session_ids}
+def rollout_outcomes(state: dict, specs: list[RolloutSpec], settings: ProcessorSettings) -> dict[str, float]:
+    """Sum of each rollout's grader outcome rewards; `missing_outcome_reward` for an ungraded rollout."""
+    out: dict[str, list[float]] = {s.rollout_id: [] for s in specs}
+    lanes = {(s.session_id, s.choice_index): s.rollout_id for s in specs}
     for reward in sorted(state["rewards"].values(), key=lambda r: r["event_id"]):
-        if reward["kind"] == "outcome" and reward.get("session_id") in out:
-            out[reward["session_id"]].append(reward["value"])
-    return {sid: math.fsum(v) if v else settings.missing_outcome_reward for sid, v in out.items()}
+        sid = reward.get("session_id")
+        if reward["kind"] != "outcome" or not sid:
+            continue
+        choice = reward_choice(reward)
+        for (session, lane), rid in lanes.items():
+            if session == sid and choice in (None, lane):
+                out[rid].append(reward["value"])
+    return {rid: math.fsum(v) if v else settings.missing_outcome_reward for rid, v in out.items()}

@@ -1,8 +1,11 @@
 """The TrainSample builder: a group's trainable completions packed into one prefix tree with per-row training data.
 
-The trie itself is `forge_stream.tree.pack`. Each trainable completion with at least one completion token is
-one sequence, prompt_token_ids + completion_token_ids, in (session_id, turn, completion_id) order, so the
-rows are the same whatever order the events arrived in. Per row:
+The trie itself is `forge_stream.tree.pack`. Each trainable turn (a completion with at least one completion
+token) of each rollout is one sequence, prompt_token_ids + completion_token_ids, in (rollout, turn,
+completion_id) order, so the rows are the same whatever order the events arrived in. A turn of a prefix that
+several rollouts share is one sequence per rollout (the trie stores its tokens once), so a step trains exactly
+what training each rollout on its own would. Each sequence names its rollout and carries the rollout's
+outcome reward and the completion's sampling temperature and logprobs mode. Per row:
 - row_loss_mask: the row is a completion token (at or past prompt_len on its path) of at least one sequence;
 - row_old_logprob: that token's rollout log-prob, from the first sequence (in sequence order) that trains it;
 - row_advantage: the sum of the advantages of the sequences that train the row.
@@ -10,7 +13,7 @@ rows are the same whatever order the events arrived in. Per row:
 
 from __future__ import annotations
 
-from forge_stream.processors.rewards import Turn
+from forge_stream.processors.rewards import Rollout
 from forge_stream.tree import pack
 
 
@@ -18,11 +21,12 @@ def trainable(completion: dict) -> bool:
     return bool(completion["trainable"]) and len(completion["completion_token_ids"]) > 0
 
 
-def build_sample(turns: list[Turn], header: dict) -> dict | None:
+def build_sample(rollouts: list[Rollout], header: dict) -> dict | None:
     """A TrainSample record (header: event_id, event_time, group_id, task_id, task_seq, domain, group_complete)
-    for the trainable turns, or None when there is none."""
-    turns = sorted((t for t in turns if trainable(t.completion)),
-                   key=lambda t: (t.completion["session_id"], t.completion["turn"], t.completion["completion_id"]))
+    for the rollouts' trainable turns, or None when there is none."""
+    entries = sorted(((r, t) for r in rollouts for t in r.turns if trainable(t.completion)),
+                     key=lambda e: (e[0].rollout_id, e[1].completion["turn"], e[1].completion["completion_id"]))
+    turns = [t for _, t in entries]
     if not turns:
         return None
     tree = pack([t.completion["prompt_token_ids"] + t.completion["completion_token_ids"] for t in turns])
@@ -31,7 +35,7 @@ def build_sample(turns: list[Turn], header: dict) -> dict | None:
     old_logprob = [0.0] * rows
     advantage = [0.0] * rows
     sequences = []
-    for turn, path, last in zip(turns, tree.paths, tree.last_row.tolist()):
+    for (rollout, turn), path, last in zip(entries, tree.paths, tree.last_row.tolist()):
         comp = turn.completion
         prompt_len = len(comp["prompt_token_ids"])
         for row, logprob in zip(path[prompt_len:].tolist(), comp["completion_logprobs"]):
@@ -42,7 +46,9 @@ def build_sample(turns: list[Turn], header: dict) -> dict | None:
             "completion_id": comp["completion_id"], "session_id": comp["session_id"], "turn": comp["turn"],
             "last_row": last, "length": int(path.numel()), "prompt_len": prompt_len,
             "old_logprobs": list(comp["completion_logprobs"]), "advantage": turn.advantage,
-            "reward": turn.reward, "policy_version": comp["policy_version"],
+            "reward": turn.reward, "policy_version": comp["policy_version"], "rollout": rollout.rollout_id,
+            "outcome_reward": rollout.outcome, "temperature": comp["temperature"],
+            "logprobs_mode": comp["logprobs_mode"],
         })
     versions = [t.completion["policy_version"] for t in turns]
     return {

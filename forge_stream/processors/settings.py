@@ -1,8 +1,13 @@
-"""The processors' one frozen settings object: reward rules, discount, timeouts. Built at the entry point."""
+"""The processors' one frozen settings object: reward rules, discount, advantage mode, timeouts. Built at the
+entry point."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
+
+AdvantageMode = Literal["rollout", "turn"]
 
 
 class RuleSpec(BaseModel):
@@ -30,7 +35,10 @@ class ProcessorSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    gamma: float = 1.0  # reward-to-go discount
+    gamma: float = 1.0  # reward-to-go discount ("turn" advantages)
+    # "rollout": GRPO, each rollout's return normalized over the group's rollouts, shared by all its turns;
+    # "turn": each turn's reward-to-go normalized over all turns of the group (forge_stream.processors.rewards)
+    advantage: AdvantageMode = "rollout"
     rules: tuple[RuleSpec, ...] = DEFAULT_RULES
     time_reward_weight: float = 0.1  # the time reward lies in [-weight, +weight]
     success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this

@@ -55,7 +55,8 @@ def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int
                 "tool_calls_json": json.dumps([call]) if calls_tool else None,
                 "finish_reason": "tool_calls" if calls_tool else "stop", "trainable": not untrainable,
                 "untrainable_reason": "engine returned no token ids" if untrainable else None,
-                "received_ms": now, "first_token_ms": now + 1, "done_ms": now + took, "agent": ""}))
+                "received_ms": now, "first_token_ms": now + 1, "done_ms": now + took, "agent": "",
+                "temperature": 1.0, "top_p": 1.0, "logprobs_mode": "processed"}))
             now += took
             history = history + out
             if calls_tool:
@@ -74,5 +75,6 @@ def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int
             "name": "exact_match", "value": outcome, "turn": None, "source": "grader", "metadata": {}}))
         events.append(("SessionFinished", {
             **sbase, "event_id": deterministic_id("finish", sid), "event_time": now + 2, "status": "ok",
-            "num_completions": turns, "reason": None}))
+            "num_completions": turns, "reason": None,
+            "num_tool_spans": sum(schema == "ToolSpan" and r["session_id"] == sid for schema, r in events)}))
     return events

@@ -10,7 +10,18 @@ CISPO: `J = (1 / sum_i |o_i|) * sum_i sum_t sg(clip(r_it, 1 - eps_low, 1 + eps_h
 with `r = exp(logp - old)`. The clipped weight is detached, so every token keeps a gradient. One-sided by
 default (`eps_low=None`: no lower bound), as in the paper.
 PPO/GRPO: `J = (1 / sum_i |o_i|) * sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`.
-The returned loss is `-J` (to minimise).
+The returned loss is `-J` (to minimise). Each loss has its own clip defaults (`LOSS_CLIP`): CISPO (None, 4.0),
+PPO (0.2, 0.2).
+
+What `old` is. The engines record the log-probs of the distribution they actually sampled from (after
+temperature and top-p: "processed" logprobs, forge_stream.engine.sampling; vLLM `--logprobs-mode
+processed_logprobs`), and the gateway stamps that mode on every Completion. So pi_old is the behaviour policy,
+and r = pi_theta / pi_old is the exact importance weight for both sources of mismatch at once: staleness
+(weights older than the trainer's) and sampling settings (a temperature other than 1, top-p). The trainer
+evaluates pi_theta at temperature 1 (the policy being optimised), so CISPO's clip at 1 + eps_high is truncated
+importance sampling of the behaviour distribution (as in verl and slime), and its gradient stays unbiased up to
+the truncation. Every call also reports how far apart the two are: mean and max |logp - old| over its tokens,
+the ratio's mean and max and the share of tokens at a clip bound.
 """
 
 from __future__ import annotations
@@ -22,12 +33,25 @@ import torch
 
 
 @dataclass(frozen=True)
+class Clip:
+    """Clip bounds of the importance ratio: [1 - low, 1 + high]; low None = no lower bound."""
+
+    low: float | None
+    high: float
+
+
+LOSS_CLIP = {"cispo": Clip(None, 4.0), "ppo": Clip(0.2, 0.2)}
+
+
+@dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # scalar, -J
     tokens: int  # completion tokens in this call
     clip_fraction: float  # share of tokens whose ratio hit a clip bound
     ratio_mean: float
     ratio_max: float
+    mismatch_mean: float  # mean |logp - old| (train-inference log-prob mismatch)
+    mismatch_max: float
 
 
 def _flatten(
@@ -52,15 +76,18 @@ def _clip(ratio: torch.Tensor, eps_low: float | None, eps_high: float) -> torch.
     return ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
 
 
-def _output(objective_sum: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, normalizer) -> LossOutput:
+def _output(objective_sum: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, gap: torch.Tensor,
+            normalizer) -> LossOutput:
     n = ratio.numel()
     denom = float(normalizer if normalizer is not None else max(n, 1))
     return LossOutput(
         loss=-objective_sum / denom,
         tokens=n,
         clip_fraction=float(clipped.float().mean()) if n else 0.0,
-        ratio_mean=float(ratio.mean()) if n else 0.0,
-        ratio_max=float(ratio.max()) if n else 0.0,
+        ratio_mean=float(ratio.mean()) if n else 1.0,
+        ratio_max=float(ratio.max()) if n else 1.0,
+        mismatch_mean=float(gap.mean()) if n else 0.0,
+        mismatch_max=float(gap.max()) if n else 0.0,
     )
 
 
@@ -77,7 +104,7 @@ def cispo_loss(
     lp, old, adv = _flatten(logprobs, old_logprobs, advantages)
     ratio = torch.exp(lp.detach() - old)
     weight = _clip(ratio, eps_low, eps_high)
-    return _output((weight * adv * lp).sum(), ratio, weight != ratio, normalizer)
+    return _output((weight * adv * lp).sum(), ratio, weight != ratio, (lp.detach() - old).abs(), normalizer)
 
 
 def ppo_clip_loss(
@@ -94,4 +121,5 @@ def ppo_clip_loss(
     ratio = torch.exp(lp - old)
     clipped_ratio = _clip(ratio, eps_low, eps_high)
     objective = torch.minimum(ratio * adv, clipped_ratio * adv)
-    return _output(objective.sum(), ratio.detach(), clipped_ratio.detach() != ratio.detach(), normalizer)
+    return _output(objective.sum(), ratio.detach(), clipped_ratio.detach() != ratio.detach(),
+                   (lp.detach() - old).abs(), normalizer)

@@ -2,7 +2,8 @@
 
 History is read with `assign()` and no commits (forge_stream.kafka.history), so live consumer groups and their
 offsets are untouched. Every replayed group is finished, so the windowed FIFO reduces to submission order:
-samples are de-duplicated by event id, sorted by `task_seq` and trained in batches. The replay is its own run:
+samples are de-duplicated by event id, sorted by `task_seq` and trained in batches by the same RL loop as live
+training (forge_stream.trainer.loop.rl_loop); committing is a no-op. The replay is its own run:
 its checkpoints, PolicyVersions and TrainSteps carry its run name, which engines following the live run ignore.
 """
 
@@ -15,6 +16,7 @@ from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, step_record
 from forge_stream.topics import TOPICS
+from forge_stream.trainer.loop import Publish, rl_loop
 from forge_stream.trainer.service import PolicyTrainer, TrainerSettings
 from forge_stream.trainer.step import StepConfig
 
@@ -37,6 +39,26 @@ def replay_samples(settings: ReplaySettings, errors: list | None = None) -> list
     return sorted(unique.values(), key=lambda r: (r["task_seq"], r["group_id"]))
 
 
+class HistoryBatches:
+    """Historical samples in consecutive batches as the loop's BatchSource; `ack` publishes the TrainStep only."""
+
+    def __init__(self, samples: list[dict], batch_size: int, run: str, publish: Publish):
+        self.samples, self.batch_size, self.run, self.publish = samples, batch_size, run, publish
+        self.step = 0
+
+    def next_batch(self, trainer_version: int) -> Batch | None:
+        chunk = self.samples[self.step * self.batch_size:(self.step + 1) * self.batch_size]
+        if not chunk:
+            return None
+        return Batch(chunk, [trainer_version - s["policy_version"] for s in chunk], trainer_version, 0)
+
+    def ack(self, batch: Batch, metrics: dict) -> dict:
+        record = step_record(self.run, self.step, batch, metrics)
+        self.publish(TOPICS.train_metrics, self.run, record)
+        self.step += 1
+        return record
+
+
 def replay(settings: ReplaySettings, progress=print) -> dict:
     """Train on the slice; returns a summary with the TrainStep records."""
     if settings.run == "default":
@@ -49,17 +71,12 @@ def replay(settings: ReplaySettings, progress=print) -> dict:
     trainer = PolicyTrainer(TrainerSettings(
         bootstrap=settings.bootstrap, base_model=settings.base_model, checkpoint_dir=settings.checkpoint_dir,
         scheduler=SchedulerSettings(bootstrap=settings.bootstrap, run=settings.run), step=settings.step),
-        producer, resume_version=0)
+        resume_version=0)
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    steps = []
-    for step, start in enumerate(range(0, len(samples), settings.batch_size)):
-        chunk = samples[start:start + settings.batch_size]
-        batch = Batch(chunk, [trainer.policy_version - s["policy_version"] for s in chunk], trainer.policy_version, 0)
-        record = step_record(settings.run, step, batch, trainer.train(batch))
-        producer.send_sync(TOPICS.train_metrics, settings.run, record)
-        steps.append(record)
-        progress(f"replay step {step + 1}/{-(-len(samples) // settings.batch_size)}: {len(chunk)} groups, "
-                 f"loss {record['loss']:.4f}, T/U {record['tree_ratio']:.2f}")
-    producer.close()
+    try:
+        steps = rl_loop(HistoryBatches(samples, settings.batch_size, settings.run, producer.send_sync), trainer,
+                        producer.send_sync, progress=progress)
+    finally:
+        producer.close()
     return {"run": settings.run, "samples": len(samples), "steps": steps, "undecodable": len(errors),
             "final_policy_version": trainer.policy_version}

@@ -1,10 +1,11 @@
 """The trainer process: windowed-FIFO batches from Kafka -> tree-packed CISPO step -> checkpoint -> PolicyVersion.
 
-One step, in order:
+`run_trainer` runs the RL loop (forge_stream.trainer.loop.rl_loop) over the windowed FIFO consumer. One step:
 1. `WindowedConsumer.next_batch` hands over up to `batch_size` finished groups (TrainSamples) inside the window;
-2. `train_step` runs one tree-packed forward/backward per micro-batch forest and one AdamW step;
-3. the new weights are written as a HuggingFace checkpoint (safetensors, tokenizer, optimizer state) and a
-   PolicyVersion is published on forge.policy (the engines load it);
+2. `PolicyTrainer.step` (`train_step`) runs one tree-packed forward/backward per micro-batch forest and one AdamW
+   step;
+3. `PolicyTrainer.checkpoint` writes the new weights as a HuggingFace checkpoint (safetensors, tokenizer,
+   optimizer state) and the loop publishes its PolicyVersion on forge.policy (the engines load it);
 4. the scheduler publishes the TrainStep (the step's commit point: which groups were trained) and commits offsets.
 
 A restart resumes from the checkpoint of the last committed step, so a step that crashed before its TrainStep
@@ -30,6 +31,7 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.kafka.consumer import consumer_config
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover, start_at_end
 from forge_stream.topics import TOPICS
+from forge_stream.trainer.loop import rl_loop
 from forge_stream.trainer.step import StepConfig, build_optimizer, sample_tree, train_step
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,10 @@ def find_checkpoint(checkpoint_dir: Path, version: int) -> Path | None:
 
 
 class PolicyTrainer:
-    """The scheduler's `Trainer`: owns the model, the optimizer and the policy version."""
+    """The loop's learner (forge_stream.trainer.loop): owns the model, the optimizer and the policy version."""
 
-    def __init__(self, settings: TrainerSettings, producer: EventProducer, resume_version: int):
+    def __init__(self, settings: TrainerSettings, resume_version: int):
         self.settings = settings
-        self.producer = producer
         source = find_checkpoint(settings.checkpoint_dir, resume_version) if resume_version else None
         if resume_version and source is None:
             raise FileNotFoundError(
@@ -87,20 +88,28 @@ class PolicyTrainer:
             raise ValueError(f"token id {int(tree.token_ids.max())} is outside the model's vocabulary of {vocab}: "
                              "was it rolled out with another tokenizer?")
 
-    def train(self, batch: Batch) -> dict:
+    @property
+    def run(self) -> str:
+        return self.settings.scheduler.run
+
+    def step(self, batch: Batch) -> dict:
+        """One optimizer step; returns the TrainStep metric fields it knows."""
         started = time.perf_counter()
         stats = train_step(self.model, self.optimizer, batch.samples, self.settings.step, self.policy_version)
         elapsed = time.perf_counter() - started
+        metrics = {key: getattr(stats, key) for key in (
+            "loss_name", "loss", "mean_reward", "outcome_reward", "rollouts", "total_tokens", "unique_tokens",
+            "tree_ratio", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max", "mismatch_mean",
+            "mismatch_max")}
+        return metrics | {"tokens_per_s": stats.total_tokens / elapsed, "lr": self.settings.step.lr}
+
+    def checkpoint(self) -> dict:
+        """Save the weights as the next policy version; returns its PolicyVersion record."""
         self.policy_version += 1
         path = self._save(self.policy_version)
-        self.producer.send_sync(TOPICS.policy, self.settings.scheduler.run, {
-            "event_id": deterministic_id("policy", self.settings.scheduler.run, path.name),
-            "event_time": now_ms(), "version": self.policy_version, "step": self.policy_version,
-            "checkpoint_uri": str(path), "base_model": str(self.settings.base_model)})
-        return {"loss": stats.loss, "mean_reward": stats.mean_reward, "total_tokens": stats.total_tokens,
-                "unique_tokens": stats.unique_tokens, "tree_ratio": stats.tree_ratio,
-                "tokens_per_s": stats.total_tokens / elapsed, "grad_norm": stats.grad_norm,
-                "lr": self.settings.step.lr}
+        return {"event_id": deterministic_id("policy", self.run, path.name), "event_time": now_ms(),
+                "version": self.policy_version, "step": self.policy_version, "checkpoint_uri": str(path),
+                "base_model": str(self.settings.base_model)}
 
     def _save(self, version: int) -> Path:
         root = self.settings.checkpoint_dir
@@ -124,6 +133,21 @@ def has_committed_offsets(settings: SchedulerSettings) -> bool:
         consumer.close()
 
 
+class LiveBatches:
+    """The windowed FIFO consumer as the loop's BatchSource: a batch as soon as the window offers a full one, or
+    what there is after `wait_s`, waiting as long as it takes; `ack` publishes the TrainStep and commits."""
+
+    def __init__(self, consumer: WindowedConsumer, wait_s: float):
+        self.consumer = consumer
+        self.wait_s = wait_s
+        self.ack = consumer.ack
+
+    def next_batch(self, trainer_version: int) -> Batch:
+        while (batch := self.consumer.next_batch(trainer_version, self.wait_s, partial=True)) is None:
+            pass
+        return batch
+
+
 def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=print) -> list[dict]:
     """Train until `steps` steps are done (forever if None); returns the TrainStep records."""
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -132,19 +156,9 @@ def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=pr
     producer = EventProducer(settings.bootstrap)
     recovered = recover(settings.scheduler)
     resume = 0 if recovered.last_version is None else recovered.last_version + 1
-    trainer = PolicyTrainer(settings, producer, resume)
+    trainer = PolicyTrainer(settings, resume)
     consumer = WindowedConsumer(settings.scheduler, producer, recovered, validate=trainer.validate)
-    done: list[dict] = []
     try:
-        while steps is None or len(done) < steps:
-            batch = consumer.next_batch(trainer.policy_version, settings.wait_s, partial=True)
-            if batch is None:
-                continue
-            record = consumer.ack(batch, trainer.train(batch))
-            done.append(record)
-            progress(f"step {record['step']}: policy v{trainer.policy_version}, {record['groups']} groups, "
-                     f"loss {record['loss']:.4f}, reward {record['mean_reward']:.3f}, "
-                     f"T/U {record['tree_ratio']:.2f}, staleness max {record['staleness_max']}")
+        return rl_loop(LiveBatches(consumer, settings.wait_s), trainer, producer.send_sync, steps, progress)
     finally:
         consumer.close()
-    return done

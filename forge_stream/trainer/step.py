@@ -6,6 +6,11 @@ most `token_budget` unique rows (a sample larger than the budget goes alone). Pe
 through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
 `length - 1` values) meet its recorded rollout log-probs and advantage in the loss. The loss is normalised by
 the completion tokens of the whole step, so micro-batching leaves the gradient unchanged.
+
+`StepConfig.loss` picks the loss and, unless `clip` is given, its own clip bounds (`LOSS_CLIP`: CISPO
+eps_low None / eps_high 4.0, PPO 0.2 / 0.2). Besides the loss, a step reports the train-inference mismatch over
+the tokens it trained (|logp - recorded logp| mean and max, importance ratio mean and max, clip fraction) and
+the mean outcome reward of the batch's rollouts (one value per distinct (group, rollout)).
 """
 
 from __future__ import annotations
@@ -15,24 +20,43 @@ from typing import Literal, Sequence
 
 import torch
 
-from forge_stream.trainer.losses import cispo_loss, ppo_clip_loss
+from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
 from forge_stream.tree import PackedTree, from_arrays, merge, sequence_logprobs
+
+
+LossName = Literal["cispo", "ppo"]
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    loss: Literal["cispo", "ppo"] = "cispo"
-    eps_high: float = 4.0  # CISPO upper bound on the importance weight (1 + eps_high); PPO uses e.g. 0.2
-    eps_low: float | None = None  # None: no lower bound (CISPO as in the paper)
+    loss: LossName = "cispo"
+    clip: Clip | None = None  # None: the loss's own bounds (LOSS_CLIP)
     lr: float = 1e-6
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     token_budget: int = 16384  # max unique tree rows per micro-batch forward
     chunk_rows: int = 256  # query rows per chunk of CPU tree attention
 
+    @property
+    def bounds(self) -> Clip:
+        return self.clip or LOSS_CLIP[self.loss]
+
+
+def clip_for(loss: LossName, eps_low: float | None = None, eps_high: float | None = None) -> Clip:
+    """The loss's own clip bounds with any given bound replaced (a CLI's --eps-low / --eps-high).
+
+    >>> clip_for("ppo"), clip_for("cispo", eps_high=0.3), clip_for("ppo", eps_low=0.1)
+    (Clip(low=0.2, high=0.2), Clip(low=None, high=0.3), Clip(low=0.1, high=0.2))
+    """
+    if loss not in LOSS_CLIP:
+        raise ValueError(f"unknown loss {loss!r} (one of {', '.join(LOSS_CLIP)})")
+    own = LOSS_CLIP[loss]
+    return Clip(own.low if eps_low is None else eps_low, own.high if eps_high is None else eps_high)
+
 
 @dataclass(frozen=True)
 class StepStats:
+    loss_name: str
     loss: float
     groups: int
     sequences: int
@@ -43,7 +67,13 @@ class StepStats:
     micro_batches: int
     grad_norm: float
     clip_fraction: float
-    mean_reward: float
+    ratio_mean: float
+    ratio_max: float
+    mismatch_mean: float  # mean |logp at training - recorded logp| over the trained tokens
+    mismatch_max: float
+    mean_reward: float  # mean composite reward of the sequences
+    outcome_reward: float  # mean outcome reward of the batch's rollouts
+    rollouts: int
     staleness_mean: float
     staleness_max: int
 
@@ -91,7 +121,9 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     loss_tokens = sum(r["length"] - r["prompt_len"] for r in refs)
     batches = micro_batches(trees, config.token_budget)
     loss_fn = cispo_loss if config.loss == "cispo" else ppo_clip_loss
-    total_loss, clipped = 0.0, 0.0
+    bounds = config.bounds
+    total_loss = 0.0
+    outs = []
     for batch in batches:
         forest = merge([trees[i] for i in batch])
         batch_refs = [ref for i in batch for ref in samples[i]["sequences"]]
@@ -101,20 +133,34 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
             completion,
             [ref["old_logprobs"] for ref in batch_refs],
             [ref["advantage"] for ref in batch_refs],
-            eps_low=config.eps_low,
-            eps_high=config.eps_high,
+            eps_low=bounds.low,
+            eps_high=bounds.high,
             normalizer=max(loss_tokens, 1),
         )
         out.loss.backward()
         total_loss += float(out.loss.detach())
-        clipped += out.clip_fraction * out.tokens
+        outs.append(out)
+    tokens = max(sum(o.tokens for o in outs), 1)
     return {
         "loss": total_loss,
         "trees": trees,
         "loss_tokens": loss_tokens,
         "micro_batches": len(batches),
-        "clip_fraction": clipped / max(loss_tokens, 1),
+        "clip_fraction": sum(o.clip_fraction * o.tokens for o in outs) / tokens,
+        "ratio_mean": sum(o.ratio_mean * o.tokens for o in outs) / tokens if loss_tokens else 1.0,
+        "ratio_max": max((o.ratio_max for o in outs if o.tokens), default=1.0),
+        "mismatch_mean": sum(o.mismatch_mean * o.tokens for o in outs) / tokens,
+        "mismatch_max": max((o.mismatch_max for o in outs if o.tokens), default=0.0),
     }
+
+
+def rollout_outcomes(samples: Sequence[dict]) -> list[float]:
+    """One outcome reward per distinct (group, rollout) of the samples' sequences."""
+    seen: dict[tuple[str, str], float] = {}
+    for sample in samples:
+        for ref in sample["sequences"]:
+            seen.setdefault((sample["group_id"], ref["rollout"]), ref["outcome_reward"])
+    return list(seen.values())
 
 
 def train_step(
@@ -138,7 +184,9 @@ def train_step(
     unique = sum(t.num_rows for t in trees)
     rewards = [ref["reward"] for s in samples for ref in s["sequences"]]
     staleness = [policy_version - s["policy_version"] for s in samples]
+    outcomes = rollout_outcomes(samples)
     return StepStats(
+        loss_name=config.loss,
         loss=acc["loss"],
         groups=len(samples),
         sequences=len(rewards),
@@ -149,7 +197,13 @@ def train_step(
         micro_batches=acc["micro_batches"],
         grad_norm=grad_norm,
         clip_fraction=acc["clip_fraction"],
+        ratio_mean=acc["ratio_mean"],
+        ratio_max=acc["ratio_max"],
+        mismatch_mean=acc["mismatch_mean"],
+        mismatch_max=acc["mismatch_max"],
         mean_reward=sum(rewards) / len(rewards),
+        outcome_reward=sum(outcomes) / len(outcomes),
+        rollouts=len(outcomes),
         staleness_mean=sum(staleness) / len(staleness),
         staleness_max=max(staleness),
     )

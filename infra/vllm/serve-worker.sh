@@ -18,10 +18,13 @@ sed "s#lm://lmcache-host:#lm://${LMCACHE_HOST}:#" "$here/lmcache.yaml" > "$confi
 # /collective_rpc (update_config + reload_weights from the checkpoint directory), /update_weight_version,
 # /weight_info and /reset_prefix_cache. They are unauthenticated: keep the port on a private network.
 # Token ids need no flag: the gateway asks for `return_token_ids: true` and logprobs in each request.
+# --logprobs-mode processed_logprobs: logprobs of the distribution actually sampled from (after temperature
+# and top_p), which the trainer uses as pi_old; the gateway records them as such (--engine-logprobs-mode).
 export VLLM_SERVER_DEV_MODE=1
 export LMCACHE_CONFIG_FILE="$config"
 exec vllm serve "$MODEL" --port "$PORT" \
   --enable-prefix-caching \
+  --logprobs-mode processed_logprobs \
   --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' \
   --enable-auto-tool-choice --tool-call-parser hermes \
   "$@"

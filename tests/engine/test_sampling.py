@@ -40,3 +40,16 @@ def test_raw_logprobs_ignore_temperature_processed_ones_do_not():
     assert raw.token_id == processed.token_id
     assert math.isclose(raw.logprob, torch.log_softmax(logits, -1)[raw.token_id].item(), rel_tol=1e-6)
     assert math.isclose(processed.logprob, torch.log_softmax(logits / 0.5, -1)[raw.token_id].item(), rel_tol=1e-6)
+
+
+def test_default_logprobs_are_those_of_the_sampled_distribution():
+    """Temperature 0.5, default mode: the logprob is log_softmax(logits / 0.5), not the raw model's."""
+    from forge_stream.engine.settings import EngineSettings
+
+    assert EngineSettings(model="m").logprobs_mode == "processed"
+    logits = torch.tensor([2.0, 0.5, -1.0, 0.0])
+    params = SamplingParams(max_tokens=1, temperature=0.5, seed=4)
+    picked = choose(logits, params, make_generator(4, 0))
+    want = torch.log_softmax(logits / 0.5, -1)[picked.token_id].item()
+    assert math.isclose(picked.logprob, want, rel_tol=1e-6)
+    assert not math.isclose(picked.logprob, torch.log_softmax(logits, -1)[picked.token_id].item(), rel_tol=1e-3)

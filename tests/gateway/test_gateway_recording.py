@@ -37,6 +37,7 @@ def test_chat_completion_is_recorded_with_engine_token_ids(kafka_bootstrap, gate
     assert record["policy_version"] == 7 and record["finish_reason"] == "stop"
     assert orjson.loads(record["messages_json"]) == messages
     assert record["received_ms"] <= record["done_ms"]
+    assert (record["temperature"], record["top_p"], record["logprobs_mode"]) == (1.0, 1.0, "processed")
 
     [started] = read_events(kafka_bootstrap, TOPICS.sessions,
                             lambda r: r["session_id"] == session["session_id"])
@@ -101,7 +102,8 @@ def test_streamed_chat_with_n_2_records_one_event_per_choice(kafka_bootstrap, ga
     messages = [{"role": "user", "content": "stream please"}]
     events = []
     with httpx.stream("POST", f"{session['base_url']}/chat/completions",
-                      json={"model": "scripted", "messages": messages, "stream": True, "n": 2}) as response:
+                      json={"model": "scripted", "messages": messages, "stream": True, "n": 2, "temperature": 0.5,
+                            "top_p": 0.9}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -120,6 +122,7 @@ def test_streamed_chat_with_n_2_records_one_event_per_choice(kafka_bootstrap, ga
         assert decode(record["completion_token_ids"]) == texts[record["choice_index"]] == record["output_text"]
         assert record["completion_token_ids"][-1] == EOS
         assert record["first_token_ms"] is not None and record["received_ms"] <= record["first_token_ms"]
+        assert (record["temperature"], record["top_p"]) == (0.5, 0.9)
 
 
 def test_completions_endpoint_records_each_prompt_of_a_batch(kafka_bootstrap, gateway_url, run_id):
@@ -163,3 +166,20 @@ def test_rewards_and_finish_are_recorded_and_finish_closes_the_session(kafka_boo
     records = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
     assert [r.get("status") for r in records] == [None, "ok"]
     assert records[1]["num_completions"] == 1
+
+
+def test_finish_reports_the_sessions_distinct_tool_spans(kafka_bootstrap, gateway_url, run_id):
+    """An inferred span, an explicit span replacing it (same span id) and an explicit span of its own: 2."""
+    session, call, messages, tools = _tool_turn(gateway_url, run_id, "22 degrees")
+    sid = session["session_id"]
+    _chat(session["base_url"], messages, tools=tools)  # infers the span of `call`
+    posted = httpx.post(f"{gateway_url}/v1/sessions/{sid}/spans", json={"spans": [
+        {"tool_call_id": call["id"], "status": "ok", "start_ms": 1000, "end_ms": 1500},
+        {"name": "browse", "status": "ok", "start_ms": 1600, "end_ms": 1700}]})
+    assert posted.status_code == 200, posted.text
+    assert httpx.post(f"{gateway_url}/v1/sessions/{sid}/finish", json={"status": "ok"}).status_code == 200
+    spans = read_events(kafka_bootstrap, TOPICS.tool_spans, lambda r: r["session_id"] == sid)
+    assert len(spans) == 3 and len({s["span_id"] for s in spans}) == 2
+    [finished] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+                  if r.get("status")]
+    assert finished["num_tool_spans"] == 2

@@ -98,7 +98,7 @@ def test_trainer_rejects_samples_it_cannot_train_on(tiny_model_dir, tmp_path, ru
     trainer = PolicyTrainer(TrainerSettings(bootstrap="unused:9092", base_model=tiny_model_dir,
                                             checkpoint_dir=tmp_path,
                                             scheduler=SchedulerSettings(bootstrap="unused:9092", run=run_id)),
-                            producer=None, resume_version=0)
+                            resume_version=0)
     state, good = None, None
     for schema, record in group_events(run_id, group_size=2, turns=2):
         state, emits = fold(state, schema, record, ProcessorSettings())

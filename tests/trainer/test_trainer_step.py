@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from forge_stream.trainer.losses import Clip
 from forge_stream.trainer.step import StepConfig, accumulate_gradients, build_optimizer, micro_batches, train_step
 from forge_stream.tree import pack
-from forge_stream.tree.reference import separate_logprobs, tiny_causal_lm
+from forge_stream.tree.reference import _token_logprobs, separate_logprobs, tiny_causal_lm
 
 
 def _sample(group_id, sequences, prompt_lens, advantages, policy_version, seed):
@@ -20,6 +21,8 @@ def _sample(group_id, sequences, prompt_lens, advantages, policy_version, seed):
                 "completion_id": f"{group_id}-{i}", "session_id": f"s{i}", "turn": 0,
                 "last_row": int(tree.last_row[i]), "length": len(seq), "prompt_len": plen,
                 "old_logprobs": old, "advantage": adv, "reward": adv + 1.0, "policy_version": policy_version,
+                "rollout": f"s{i % 2}", "outcome_reward": float(i % 2), "temperature": 1.0,
+                "logprobs_mode": "processed",
             }
         )
     return {
@@ -66,8 +69,8 @@ def _path(parent, last):
 def test_micro_batched_gradient_equals_direct_cispo_on_separate_passes():
     model = tiny_causal_lm("qwen2", dtype=torch.float64, seed=7)
     samples = _samples()
-    config = StepConfig(eps_high=0.3, token_budget=12, chunk_rows=4)
-    ref = _direct_cispo_grads(model, samples, config.eps_high)
+    config = StepConfig(clip=Clip(None, 0.3), token_budget=12, chunk_rows=4)
+    ref = _direct_cispo_grads(model, samples, config.bounds.high)
     model.zero_grad()
     acc = accumulate_gradients(model, samples, config)
     assert acc["micro_batches"] >= 2
@@ -90,6 +93,9 @@ def test_train_step_updates_the_model_and_reports_counts():
     assert stats.tree_ratio == pytest.approx(stats.total_tokens / stats.unique_tokens)
     assert (stats.staleness_mean, stats.staleness_max) == (pytest.approx(2.0), 3)
     assert stats.grad_norm > 0
+    # one outcome per (group, rollout): s0 (0.0) and s1 (1.0) in each group; per sequence it would be 2/8
+    assert (stats.rollouts, stats.outcome_reward) == (6, pytest.approx(0.5))
+    assert stats.mean_reward == pytest.approx(sum(r["reward"] for s in samples for r in s["sequences"]) / 8)
 
 
 def test_micro_batches_respect_the_budget():
@@ -106,3 +112,66 @@ def test_inconsistent_sample_is_rejected():
     bad["subtree_end"][0] = 0
     with pytest.raises(ValueError):
         accumulate_gradients(tiny_causal_lm("llama"), [bad], StepConfig())
+
+
+def _rows_and_path(sample, ref):
+    return [sample["token_ids"][r] for r in _path(sample["parent_row"], ref["last_row"])]
+
+
+def _with_old_logprobs(model, samples, temperature=1.0, offsets=None):
+    """The samples with old log-probs computed by `model` itself at `temperature` (plus per-token offsets)."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            refs = []
+            for i, ref in enumerate(s["sequences"]):
+                ids = torch.tensor(_rows_and_path(s, ref))
+                logits = model(input_ids=ids[None]).logits[0] / temperature
+                old = _token_logprobs(logits, ids)[ref["prompt_len"] - 1:]
+                if offsets is not None:
+                    old = old + torch.tensor([offsets[(i + t) % len(offsets)] for t in range(old.numel())])
+                refs.append({**ref, "old_logprobs": old.tolist(), "temperature": temperature})
+            out.append({**s, "sequences": refs})
+    return out
+
+
+def test_ppo_step_computes_the_clipped_surrogate():
+    """`--loss ppo` with its own bounds (0.2, 0.2): gradients equal min(r A, clip(r, 0.8, 1.2) A) token-mean, and
+    tokens whose ratio is far outside the clip (with the clipped term the minimum) get no gradient."""
+    model = tiny_causal_lm("qwen2", dtype=torch.float64, seed=3)
+    samples = _with_old_logprobs(model, _samples(), offsets=[1.0, 0.05, -1.0, -0.02])  # r = e^-1 ... e^1
+    config = StepConfig(loss="ppo", token_budget=12, chunk_rows=4)
+    assert config.bounds == Clip(0.2, 0.2)
+    model.zero_grad()
+    terms, n, clipped_zero = [], 0, 0
+    for s in samples:
+        seqs = [_rows_and_path(s, ref) for ref in s["sequences"]]
+        for lp, ref in zip(separate_logprobs(model, seqs), s["sequences"]):
+            lp = lp[ref["prompt_len"] - 1:]
+            ratio = torch.exp(lp - torch.tensor(ref["old_logprobs"], dtype=lp.dtype))
+            adv = ref["advantage"]
+            unclipped, clipped = ratio * adv, ratio.clamp(0.8, 1.2) * adv
+            clipped_zero += int(((clipped < unclipped) & ((ratio < 0.8) | (ratio > 1.2))).sum())
+            terms.append(torch.minimum(unclipped, clipped).sum())
+            n += lp.numel()
+    assert clipped_zero >= 3  # the clip is active on several tokens
+    (-sum(terms) / n).backward()
+    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    acc = accumulate_gradients(model, samples, config)
+    for name, p in model.named_parameters():
+        scale = float(ref_grads[name].abs().max())
+        assert float((p.grad - ref_grads[name]).abs().max()) <= 1e-6 * scale + 1e-12, name
+    assert 0 < acc["clip_fraction"] < 1
+
+
+def test_mismatch_is_visible_in_the_step_stats():
+    model = tiny_causal_lm("llama", dtype=torch.float64, seed=5)
+    config = StepConfig(lr=0.0, token_budget=20)
+    same = train_step(model, build_optimizer(model, config), _with_old_logprobs(model, _samples()), config, 4)
+    assert same.mismatch_mean < 1e-5 and same.mismatch_max < 1e-5
+    assert same.ratio_mean == pytest.approx(1.0, abs=1e-5) and same.ratio_max == pytest.approx(1.0, abs=1e-5)
+    assert same.clip_fraction == 0.0 and same.loss_name == "cispo"
+    hot = train_step(model, build_optimizer(model, config), _with_old_logprobs(model, _samples(), 0.5), config, 4)
+    assert hot.mismatch_mean > 0.05 and hot.mismatch_max >= hot.mismatch_mean
+    assert abs(hot.ratio_mean - 1.0) > 0.01 and hot.ratio_max > 1.0
