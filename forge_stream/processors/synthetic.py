@@ -16,6 +16,9 @@ from forge_stream.events import deterministic_id
 TOOLS = json.dumps([{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}])
 
 
+VOCAB = 900  # token ids stay below the tiny model's vocabulary, so its trainer can take these samples
+
+
 def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int = 3, prompt_len: int = 24,
                  completion_len: int = 8, seed: int = 0, start_ms: int = 1_700_000_000_000,
                  domain: str = "agent") -> list[tuple[str, dict]]:
@@ -26,7 +29,7 @@ def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int
     events: list[tuple[str, dict]] = [("Task", {
         **base, "event_id": deterministic_id("task", group_id), "event_time": t, "seq": seq, "domain": domain,
         "grader": "exact_match", "group_size": group_size, "prompt_json": "{}", "metadata": {}})]
-    system = [rng.randrange(1, 1000) for _ in range(prompt_len)]
+    system = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
     for g in range(group_size):
         sid = f"{group_id}-s{g}"
         sbase = {**base, "session_id": sid}
@@ -36,8 +39,8 @@ def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int
         now = t + 10 + g
         for k in range(turns):
             if g == 1 and k == turns - 1 and k > 0:
-                history = system[: prompt_len // 2] + [rng.randrange(1, 1000) for _ in range(4)]  # rewrite
-            out = [rng.randrange(1, 1000) for _ in range(completion_len)]
+                history = system[: prompt_len // 2] + [rng.randrange(1, VOCAB) for _ in range(4)]  # rewrite
+            out = [rng.randrange(1, VOCAB) for _ in range(completion_len)]
             cid = f"{sid}-c{k}"
             calls_tool = k < turns - 1
             call = {"id": f"{cid}-call", "type": "function",
@@ -68,7 +71,7 @@ def group_events(group_id: str, *, seq: int = 0, group_size: int = 4, turns: int
                     "error": "timeout" if status == "error" else None, "start_ms": now, "end_ms": now + 5,
                     "source": "inferred", "completion_id": cid, "agent": ""}))
                 now += 5
-                history = history + [rng.randrange(1, 1000) for _ in range(3)]  # the tool result
+                history = history + [rng.randrange(1, VOCAB) for _ in range(3)]  # the tool result
         outcome = 1.0 if g % 2 == 0 or g == 3 else 0.0
         events.append(("Reward", {
             **sbase, "event_id": deterministic_id("outcome", sid), "event_time": now + 1, "kind": "outcome",

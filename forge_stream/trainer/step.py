@@ -1,9 +1,9 @@
 """One tree-packed training step over decoded TrainSample records (pure: model, optimizer and records in,
 stats out; no Kafka).
 
-Each TrainSample is one group's prefix tree. `micro_batches` packs consecutive samples into forests of at
-most `token_budget` unique rows (a sample larger than the budget goes alone). Per micro-batch the forest runs
-through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
+Each TrainSample is one group's prefix tree. `micro_batches` takes consecutive samples up to `token_budget`
+unique rows (a sample larger than the budget goes alone); their sequences are re-packed into one trie, so what
+groups share (system prompt, tool definitions) is computed once, and it runs through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
 `length - 1` values) meet its recorded rollout log-probs and advantage in the loss. The loss is normalised by
 the completion tokens of the whole step, so micro-batching leaves the gradient unchanged.
 
@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 import torch
 
 from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
-from forge_stream.tree import PackedTree, from_arrays, merge, sequence_logprobs
+from forge_stream.tree import PackedTree, from_arrays, repack, sequence_logprobs
 
 
 LossName = Literal["cispo", "ppo"]
@@ -125,7 +125,7 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     total_loss = 0.0
     outs = []
     for batch in batches:
-        forest = merge([trees[i] for i in batch])
+        forest = repack([trees[i] for i in batch])
         batch_refs = [ref for i in batch for ref in samples[i]["sequences"]]
         logprobs = sequence_logprobs(model, forest, chunk_rows=config.chunk_rows)
         completion = [lp[ref["prompt_len"] - 1 :] for lp, ref in zip(logprobs, batch_refs)]

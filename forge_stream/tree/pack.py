@@ -161,6 +161,17 @@ def merge(trees: Sequence[PackedTree]) -> PackedTree:
     )
 
 
+def repack(trees: Sequence[PackedTree]) -> PackedTree:
+    """One trie over every sequence of the trees, sharing prefixes across trees too (sequence order is kept).
+
+    Groups of one batch usually share their system prompt and tool definitions: `merge` keeps one copy per
+    tree, `repack` keeps one in all.
+    """
+    if not trees:
+        raise ValueError("repack() needs at least one tree")
+    return pack([t.token_ids[path].tolist() for t in trees for path in t.paths])
+
+
 def _finish(token_ids: list[int], depth: list[int], parent: list[int], paths: tuple) -> PackedTree:
     """Derive subtree ends (sizes accumulated bottom-up over rows in reverse order) and build the tree."""
     size = [1] * len(parent)

@@ -86,3 +86,14 @@ def test_rejects_empty_sequences_and_non_preorder_arrays():
         from_arrays([1, 2, 3, 4], [-1, 0, 0, 1], [3])
     with pytest.raises(ValueError):
         from_arrays([1, 2], [-1, 1], [1])
+
+
+def test_repack_shares_prefixes_across_trees_and_keeps_sequence_order():
+    from forge_stream.tree import merge, repack
+
+    a = pack([[1, 2, 3, 4], [1, 2, 5]])
+    b = pack([[1, 2, 3, 9], [7]])
+    forest, trie = merge([a, b]), repack([a, b])
+    assert forest.num_rows == 10 and trie.num_rows == 7  # [1, 2, 3] is stored once
+    for f_path, t_path in zip(forest.paths, trie.paths):
+        assert forest.token_ids[f_path].tolist() == trie.token_ids[t_path].tolist()
