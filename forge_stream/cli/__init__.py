@@ -2,8 +2,8 @@
 
 import typer
 
-from forge_stream.cli import (bench, engine, gateway, model, processors, replay, rollout, schemas, sink, topics,
-                              train, up)
+from forge_stream.cli import (bench, engine, eval, gateway, model, processors, replay, rollout, schemas, sink,
+                              topics, train, up)
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)
@@ -11,6 +11,7 @@ app.command("down")(up.down)
 app.command("status")(up.status)
 app.command("train")(train.train)
 app.command("replay")(replay.replay)
+app.command("eval")(eval.eval_command)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(processors.app, name="processors")
