@@ -10,7 +10,9 @@ and the worker answers, in any order, one line on its stdout:
     {"id": "...", "output": "..."}   or   {"id": "...", "error": "..."}
 
 A worker has at most `per_worker` episodes in flight (it gets FORGE_AGENT_THREADS=per_worker in its environment to
-size its own pool); an episode goes to the least busy worker. A worker that exits fails only its in-flight
+size its own pool); an episode goes to the least busy worker. Workers run in their own process sessions, so a
+signal meant for the controller's process group (Ctrl-C, `forge-stream down`) does not cut their episodes short;
+they exit when their stdin closes. A worker that exits fails only its in-flight
 episodes (with the tail of its stderr) and is started again for the next episode. Lines on stdout that are not
 JSON objects with a known id are ignored (logged), so a stray print does not break the pool.
 """
@@ -61,7 +63,7 @@ class PooledCommandAgent:
         env = {**os.environ, "FORGE_AGENT_THREADS": str(self.per_worker)}
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(self.command), env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, limit=LINE_LIMIT)
+            stderr=asyncio.subprocess.PIPE, limit=LINE_LIMIT, start_new_session=True)
         worker = _Worker(proc)
         worker.tasks = [asyncio.create_task(self._read(worker)), asyncio.create_task(self._drain(worker))]
         return worker

@@ -75,3 +75,25 @@ def test_killed_controller_restarts_without_duplicates_or_open_sessions(kafka_bo
     finished = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] in statuses and "status" in r)
     assert len(finished) == 8
     assert {e["session_id"] for e in finished if e["reason"] == "rollout controller restarted"} == orphans
+
+
+def test_sigterm_stops_taking_groups_and_lets_pooled_episodes_finish(kafka_bootstrap, gateway, run_id, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"{run_id}-{i}", "prompt": {"answer": "42", "sleep": 1.5},
+                                         "grader": "numeric", "group_size": 2}) + "\n" for i in range(4)))
+    worker = f"{sys.executable} {REPO / 'tests' / 'rollout' / 'agent_worker.py'}"
+    argv = [sys.executable, "-m", "forge_stream", "rollout", "run", "--tasks", str(tasks), "--agent", worker,
+            "--agent-workers", "1", "--gateway-url", gateway, "--name", run_id, "--concurrency", "4", "--loop",
+            "-b", kafka_bootstrap, "--json"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(read_events(kafka_bootstrap, TOPICS.tasks, mine(run_id))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)  # as `forge-stream down` does
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+    assert result == {**result, "groups": 2, "sessions": 4, "failed_sessions": 0, "mean_reward": 1.0}
+    assert len(read_events(kafka_bootstrap, TOPICS.tasks, mine(run_id))) == 2
