@@ -7,6 +7,8 @@ is left alone.
 
 from __future__ import annotations
 
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +20,8 @@ from forge_stream.kafka.broker import BrokerConfig, LocalBroker
 from forge_stream.services import ServiceSpec, Supervisor
 from forge_stream.settings import ForgeSettings
 
-TOPOLOGY_DIR = Path(__file__).resolve().parents[1] / "topologies"
+REPO_DIR = Path(__file__).resolve().parents[1]
+TOPOLOGY_DIR = REPO_DIR / "topologies"
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,42 @@ def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python("trainer", "forge_stream", "train", *args, env=_threads(opts))
 
 
+def topology_command(command: str) -> str:
+    """A command line from a topology: `python` is this deployment's interpreter, relative paths are the repo's."""
+    words = shlex.split(command)
+    if words and words[0] in ("python", "python3"):
+        words[0] = sys.executable
+    return shlex.join(str(REPO_DIR / w) if not Path(w).is_absolute() and (REPO_DIR / w).is_file() else w
+                      for w in words)
+
+
+def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    """The rollout controller, looping over its task source until `down` stops it (SIGTERM: it lets the sessions
+    in flight finish)."""
+    if "agent" not in opts:
+        raise ValueError("the controller service needs an `agent` command line")
+    tasks = str(opts.get("tasks", "suite:train"))
+    if not tasks.startswith("suite:") and (REPO_DIR / tasks).is_file():
+        tasks = str(REPO_DIR / tasks)
+    args = ["rollout", "run", "--tasks", tasks, "--agent", topology_command(opts["agent"]),
+            "--gateway-url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}",
+            "--bootstrap-servers", settings.bootstrap]
+    for name in ("name", "concurrency", "group_size", "agent_workers", "agent_per_worker", "agent_timeout",
+                 "attempt", "max_groups"):
+        if name in opts:
+            args += [f"--{name.replace('_', '-')}", str(opts[name])]
+    if opts.get("loop", True):
+        args.append("--loop")
+    return ServiceSpec.python("controller", "forge_stream", *args)
+
+
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
     "engine": engine_service,
     "gateway": gateway_service,
     "processors": processors_service,
     "trainer": trainer_service,
+    "controller": controller_service,
 }
 
 

@@ -34,7 +34,7 @@ def test_agent_rollouts_train_a_new_policy_that_the_engine_serves(tmp_path):
         assert httpx.get(f"{engine}/health").json()["policy_version"] == 0
 
         result = json.loads(cli(env, "rollout", "run", "--tasks", str(REPO / "examples" / "tasks_arith.jsonl"),
-                                "--agent", f"{sys.executable} {REPO / 'examples' / 'agents' / 'calculator_agent.py'}",
+                                "--agent", f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'}",
                                 "--json"))
         assert result == {**result, "groups": 4, "sessions": 16, "failed_sessions": 0}
 

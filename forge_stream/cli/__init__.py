@@ -3,6 +3,7 @@
 import typer
 
 from forge_stream.cli import bench
+from forge_stream.cli import eval
 from forge_stream.cli import engine
 from forge_stream.cli import gateway
 from forge_stream.cli import model
@@ -25,6 +26,7 @@ app.command("status")(up.status)
 app.command("train")(train.train)
 app.command("replay")(replay.replay)
 app.command("sft")(sft.sft)
+app.command("eval")(eval.eval_command)
 app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(processors.app, name="processors")

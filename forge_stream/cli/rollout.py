@@ -1,10 +1,15 @@
-"""`forge-stream rollout run`: roll out tasks with an unmodified agent through the gateway, grade, reward."""
+"""`forge-stream rollout run`: roll out tasks with an unmodified agent through the gateway, grade, reward.
+
+It runs until the task source ends (or, with `--loop`, until stopped): Ctrl-C or SIGTERM stops taking new
+groups and lets the sessions in flight finish (a second one aborts them; the next start closes them).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
+import logging
+import signal
 from typing import Optional
 
 import typer
@@ -20,36 +25,86 @@ def group() -> None:
     """Roll out tasks with an agent."""
 
 
+def make_agent(command: str, workers: int, per_worker: int, timeout_s: float):
+    """`workers` > 0: a pool of long-lived processes (JSON lines); 0: one process per session."""
+    from forge_stream.rollout.agents import CommandAgent
+    from forge_stream.rollout.pool import PooledCommandAgent
+
+    if workers > 0:
+        return PooledCommandAgent(command, workers, per_worker, timeout_s)
+    return CommandAgent(command, timeout_s)
+
+
+def install_stop(stop: asyncio.Event, echo) -> None:
+    """First SIGINT/SIGTERM: set `stop`; the second cancels the running task."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            main.cancel()
+            return
+        echo("stopping: no new groups; waiting for the sessions in flight (again to abort)")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+
 @app.command("run")
 def run(
-    tasks: Path = typer.Option(..., help="JSONL file, one task a line: task_id, prompt, domain, grader, group_size."),
-    agent: str = typer.Option(..., help="Agent command line; it gets OPENAI_BASE_URL, OPENAI_API_KEY, FORGE_TASK_JSON."),
+    tasks: str = typer.Option(..., help="A JSONL file (task_id, prompt, domain, grader, group_size a line) or "
+                                        "suite:<split>[?seed=..&mix=..]."),
+    agent: str = typer.Option(..., help="Agent command line (OPENAI_BASE_URL, OPENAI_API_KEY, FORGE_TASK_JSON; "
+                                        "with --agent-workers: the JSON-lines protocol on stdin/stdout)."),
+    agent_workers: int = typer.Option(0, help="Long-lived agent processes; 0 starts one process per session."),
+    agent_per_worker: int = typer.Option(16, help="Episodes in flight per agent process."),
     gateway_url: Optional[str] = typer.Option(None, help="Gateway base URL (default: the local one)."),
+    name: str = typer.Option("rollout", help="Controller name: part of every group id; a restart with the same "
+                                             "name skips the Tasks it already published."),
     group_size: Optional[int] = typer.Option(None, help="Override every task's group size G."),
-    concurrency: int = typer.Option(8, help="Agents running at once."),
-    attempt: int = typer.Option(0, help="Roll the same tasks out again as new groups with another number."),
-    agent_timeout: float = typer.Option(600.0, help="Seconds before an agent is killed (session status error)."),
+    concurrency: int = typer.Option(8, help="Sessions in flight."),
+    attempt: int = typer.Option(0, help="First cycle number: roll the same tasks out again as new groups."),
+    loop: bool = typer.Option(False, "--loop", help="Start the source over (next cycle) until stopped."),
+    max_groups: Optional[int] = typer.Option(None, help="Stop after this many groups."),
+    agent_timeout: float = typer.Option(600.0, help="Seconds before an episode fails (session status error)."),
     admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN"),
     bootstrap_servers: Optional[str] = BootstrapOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish."""
     from forge_stream.kafka.producer import EventProducer
-    from forge_stream.rollout.agents import CommandAgent
-    from forge_stream.rollout.controller import RolloutController, RolloutSettings, TaskSpec
+    from forge_stream.rollout.controller import RolloutController, RolloutSettings
+    from forge_stream.rollout.sources import ResizedTasks, load_task_source
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
-    specs = [TaskSpec.from_json(json.loads(line)) for line in tasks.read_text().splitlines() if line.strip()]
+    source = load_task_source(tasks)
     if group_size is not None:
-        specs = [TaskSpec(t.task_id, t.prompt, t.domain, t.grader, group_size, t.metadata) for t in specs]
-    url = gateway_url or f"http://127.0.0.1:{cfg.gateway_port}"
+        source = ResizedTasks(source, group_size)
+    rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
+                              admin_token, concurrency, attempt, loop, max_groups)
     producer = EventProducer(cfg.bootstrap)
-    controller = RolloutController(RolloutSettings(url, cfg.bootstrap, admin_token, concurrency, attempt),
-                                   CommandAgent(agent, agent_timeout), producer)
-    with Progress(transient=True) as progress:
-        bar = progress.add_task("rolling out", total=len(specs))
-        result = asyncio.run(controller.run(specs, progress=lambda *_: progress.advance(bar)))
-    producer.close()
+
+    async def main(progress: Progress) -> dict:
+        runner = make_agent(agent, agent_workers, agent_per_worker, agent_timeout)
+        stop = asyncio.Event()
+        install_stop(stop, lambda line: typer.echo(line, err=True))
+        bar = progress.add_task("rolling out", total=max_groups)
+        try:
+            return await RolloutController(rollout, runner, producer).run(
+                source, stop, progress=lambda *_: progress.advance(bar))
+        finally:
+            if hasattr(runner, "aclose"):
+                await runner.aclose()
+
+    try:
+        with Progress(transient=True) as progress:
+            result = asyncio.run(main(progress))
+    finally:
+        producer.close()
     typer.echo(json.dumps(result) if as_json else
-               f"{result['groups']} groups, {result['sessions']} sessions ({result['failed_sessions']} failed), "
+               f"{result['groups']} groups, {result['sessions']} sessions ({result['failed_sessions']} failed, "
+               f"{result['failed_groups']} groups not submitted, {result['skipped_groups']} already submitted, "
+               f"{result['recovered_sessions']} left open by an earlier run closed), "
                f"mean reward {result['mean_reward']}")

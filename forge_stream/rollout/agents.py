@@ -35,7 +35,10 @@ class Agent(Protocol):
 
 @dataclass(frozen=True)
 class CommandAgent:
-    """Run `command` once per session with the OpenAI environment set; stdout is the output."""
+    """Run `command` once per session with the OpenAI environment set; stdout is the output.
+
+    The agent runs in its own process session: a signal to the controller's process group (Ctrl-C, `forge-stream
+    down`) lets it finish its episode while the controller stops gracefully."""
 
     command: str
     timeout_s: float = 600.0
@@ -45,13 +48,16 @@ class CommandAgent:
                "FORGE_SESSION_ID": ctx.session_id, "FORGE_TASK_JSON": json.dumps(ctx.task)}
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(self.command), env=env, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         try:
             out, err = await asyncio.wait_for(proc.communicate(json.dumps(ctx.task).encode()), self.timeout_s)
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()
             return AgentResult("", False, f"agent timed out after {self.timeout_s:.0f}s")
+        except asyncio.CancelledError:  # the controller aborts: take the agent down with it
+            proc.kill()
+            raise
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-3:]
             return AgentResult(out.decode(errors="replace"), False,

@@ -1,0 +1,191 @@
+"""The rollout controller on the real broker with a real gateway (scripted engine): slots, timing, failures."""
+
+import asyncio
+import time
+
+import httpx
+from helpers import read_events, serving
+
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.rollout.agents import callable_agent
+from forge_stream.rollout.client import GatewayCallError, GatewayClient, RetryPolicy
+from forge_stream.rollout.controller import RolloutController, RolloutSettings
+from forge_stream.rollout.sources import TaskSpec
+from forge_stream.topics import TOPICS
+
+FAST = RetryPolicy(attempts=3, backoff_s=0.01)
+
+
+def tasks(run_id, n, g, **prompt):
+    return [TaskSpec(f"{run_id}-t{i}", {"answer": "42", **prompt}, "agent", "numeric", g) for i in range(n)]
+
+
+def run_controller(settings, agent, source, stop=None):
+    producer = EventProducer(settings.bootstrap)
+    try:
+        return asyncio.run(RolloutController(settings, agent, producer).run(source, stop))
+    finally:
+        producer.close()
+
+
+def session_events(bootstrap, groups):
+    return read_events(bootstrap, TOPICS.sessions, lambda r: r["group_id"] in groups)
+
+
+def test_groups_wait_for_free_slots_and_sessions_time_only_the_agent(kafka_bootstrap, gateway, run_id):
+    running, peak = 0, 0
+
+    async def agent(ctx):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.3)
+        running -= 1
+        return "42"
+
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST)
+    result = run_controller(settings, callable_agent(agent), tasks(run_id, 6, 2))
+    assert result == {**result, "groups": 6, "sessions": 12, "failed_sessions": 0, "mean_reward": 1.0}
+    assert peak == 4
+
+    published = read_events(kafka_bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == run_id)
+    assert len(published) == 6
+    events = session_events(kafka_bootstrap, {t["group_id"] for t in published})
+    started = {e["session_id"]: e["event_time"] for e in events if "base_url" in e}
+    finished = {e["session_id"]: e["event_time"] for e in events if "status" in e}
+    assert started.keys() == finished.keys() and len(started) == 12
+    # SessionStarted -> SessionFinished spans the agent's 0.3 s, not the wait for a slot (2 waves of 0.3 s)
+    assert all(finished[s] - started[s] < 550 for s in started)
+    # the Tasks of the last groups were published only once the first groups' sessions had finished
+    by_seq = sorted(published, key=lambda t: t["seq"])
+    first_done = min(finished[s] for s in finished)
+    assert by_seq[-1]["event_time"] >= first_done
+    assert by_seq[0]["event_time"] < first_done
+
+
+def test_a_failing_agent_fails_only_its_session(kafka_bootstrap, gateway, run_id):
+    async def agent(ctx):
+        if ctx.task.get("explode"):
+            raise RuntimeError("agent blew up")
+        return "42"
+
+    source = [*tasks(run_id, 2, 2), TaskSpec(f"{run_id}-bad", {"answer": "42", "explode": True}, "agent",
+                                             "numeric", 2)]
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=6, retry=FAST)
+    result = run_controller(settings, callable_agent(agent), source)
+    assert result == {**result, "groups": 3, "sessions": 6, "failed_sessions": 2}
+    finished = [e for e in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "status" in r
+                                       and r["task_id"].startswith(run_id))]
+    assert sorted((e["task_id"], e["status"]) for e in finished) == sorted(
+        [(f"{run_id}-t0", "ok")] * 2 + [(f"{run_id}-t1", "ok")] * 2 + [(f"{run_id}-bad", "error")] * 2)
+    assert all("agent blew up" in e["reason"] for e in finished if e["status"] == "error")
+
+
+class Flaky:
+    """A proxy in front of the gateway that answers 503 to the first reward post of every session, and always
+    500 to the reward posts of sessions whose task id contains "doomed"."""
+
+    def __init__(self, target: str, task_of: dict):
+        self.target, self.task_of, self.seen = target, task_of, set()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        path = scope["path"]
+        status, content = None, b""
+        if path.endswith("/reward"):
+            session = path.split("/")[3]
+            if session not in self.seen:
+                self.seen.add(session)
+                status = 503
+            elif "doomed" in self.task_of.get(session, ""):
+                status = 500
+        if status is None:
+            async with httpx.AsyncClient(base_url=self.target) as http:
+                response = await http.request(scope["method"], path, content=body,
+                                              headers={"content-type": "application/json"})
+            if path == "/v1/sessions" and response.status_code == 201:
+                created = response.json()
+                self.task_of[created["session_id"]] = created["task_id"]
+            status, content = response.status_code, response.content
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": content})
+
+
+def test_http_failures_are_retried_and_isolated(kafka_bootstrap, gateway, run_id):
+    async def agent(ctx):
+        return "42"
+
+    source = [*tasks(run_id, 2, 2), TaskSpec(f"{run_id}-doomed", {"answer": "42"}, "agent", "numeric", 2)]
+    with serving(Flaky(gateway, {})) as proxy:
+        settings = RolloutSettings(proxy, kafka_bootstrap, name=run_id, concurrency=6, retry=FAST)
+        result = run_controller(settings, callable_agent(agent), source)
+    assert result == {**result, "groups": 3, "sessions": 6, "failed_sessions": 2}
+    finished = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "status" in r
+                           and r["task_id"].startswith(run_id))
+    assert len(finished) == 6
+    assert {(e["task_id"], e["status"]) for e in finished} == {
+        (f"{run_id}-t0", "ok"), (f"{run_id}-t1", "ok"), (f"{run_id}-doomed", "error")}
+    assert all("posting the reward failed" in e["reason"] for e in finished if e["status"] == "error")
+
+
+def test_client_gives_up_after_its_tries_on_transport_errors():
+    from forge_stream.kafka.broker import free_port
+
+    async def main():
+        client = GatewayClient(f"http://127.0.0.1:{free_port()}", retry=RetryPolicy(attempts=3, backoff_s=0.05))
+        try:
+            start = time.monotonic()
+            try:
+                await client.finish("nope", "ok", None)
+            except GatewayCallError as exc:
+                return str(exc), time.monotonic() - start
+        finally:
+            await client.aclose()
+
+    message, elapsed = asyncio.run(main())
+    assert "failed 3 times" in message and "ConnectError" in message
+    assert elapsed >= 0.15  # backoff 0.05 + 0.1 between the tries
+
+
+def test_stop_takes_no_new_group_and_lets_sessions_finish(kafka_bootstrap, gateway, run_id):
+    async def main():
+        stop = asyncio.Event()
+
+        async def agent(ctx):
+            stop.set()
+            await asyncio.sleep(0.3)
+            return "42"
+
+        producer = EventProducer(kafka_bootstrap)
+        try:
+            settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=2, loop=True,
+                                       retry=FAST)
+            return await RolloutController(settings, callable_agent(agent), producer).run(
+                tasks(run_id, 5, 2), stop)
+        finally:
+            producer.close()
+
+    result = asyncio.run(main())
+    assert result == {**result, "groups": 1, "sessions": 2, "failed_sessions": 0}
+
+
+def test_loop_starts_the_source_over_with_new_group_ids(kafka_bootstrap, gateway, run_id):
+    async def agent(ctx):
+        return "42"
+
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, loop=True, max_groups=5,
+                               attempt=7, retry=FAST)
+    result = run_controller(settings, callable_agent(agent), tasks(run_id, 2, 2))
+    assert result == {**result, "groups": 5, "cycles": 3}
+    published = read_events(kafka_bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == run_id)
+    assert len({t["group_id"] for t in published}) == 5
+    assert sorted(t["metadata"]["cycle"] for t in published) == ["7", "7", "8", "8", "9"]
+    seqs = [t["seq"] for t in sorted(published, key=lambda t: (t["metadata"]["cycle"], t["metadata"]["position"]))]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5
