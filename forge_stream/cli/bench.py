@@ -1,6 +1,7 @@
 """`forge-stream bench ...`: benchmarks that print one JSON object (never timed asserts in tests)."""
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -90,3 +91,30 @@ def processors(
 
     emit(run(settings(bootstrap_servers).bootstrap, groups=groups, group_size=group_size, turns=turns,
              rate=rate), as_json)
+
+
+@app.command("learning")
+def learning(
+    rl_minutes: float = typer.Option(15.0, help="Wall-clock budget of the RL phase."),
+    loss: str = typer.Option("cispo", help="cispo or ppo."),
+    lr: float = typer.Option(1e-4, help="Trainer learning rate."),
+    batch_size: int = typer.Option(16, help="Groups per optimizer step."),
+    group_size: int = typer.Option(8, help="Rollouts per task (G)."),
+    concurrency: int = typer.Option(64, help="Sessions in flight."),
+    heldout_tasks: int = typer.Option(200, help="Held-out tasks per evaluation."),
+    mix: str = typer.Option("reasoning=1,agent=2,lookup=1", help="Domain weights of the suite."),
+    sft_steps: int = typer.Option(600, help="Warm-start SFT steps."),
+    seed: int = typer.Option(0, help="Seed of the task streams and the warm start."),
+    bootstrap_servers: Optional[str] = typer.Option(None, "--bootstrap-servers", "-b",
+                                                    help="An external cluster (default: the bench's own broker)."),
+    home: Optional[Path] = typer.Option(None, help="Keep the run's home here (default: a temporary one)."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw the reward curve to this image file."),
+    as_json: bool = JsonOption,
+) -> None:
+    """Warm start, held-out eval, RL through the whole pipeline for a fixed budget, held-out eval again."""
+    from forge_stream.bench.learning import LearningSettings, run
+
+    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, batch_size=batch_size, group_size=group_size,
+                              concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,
+                              seed=seed, bootstrap=bootstrap_servers, home=home, plot=plot),
+             progress=lambda line: typer.echo(line, err=True)), as_json)

@@ -2,7 +2,7 @@
 
 Three domains, mixed in one run (unified mixed-domain training):
 
-- reasoning: "What is 3 + 5?", answered directly. A tiny model has to know the sum.
+- reasoning: "Which is larger, 37 or 82?", answered directly: the model has to compare the numbers itself.
 - agent: "What is 347 + 518?" (difficulty d: (d + 2)-digit operands, + - *): the model can only get it right by
   calling the `calculator` tool and copying its result.
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
@@ -50,10 +50,10 @@ KEYS = ("tern", "wren", "kite", "lark", "crow", "dove", "hawk", "swan", "rook", 
 
 
 def reasoning(rng: random.Random, difficulty: int) -> dict:
-    """A sum of two numbers below 10 * difficulty, to answer directly."""
-    top = 10 * max(1, difficulty)
-    a, b = rng.randrange(top), rng.randrange(top)
-    return {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+    """The larger of two different (difficulty + 1)-digit numbers, to answer directly."""
+    low, high = 10 ** max(0, difficulty), 10 ** (max(0, difficulty) + 1)
+    a, b = rng.sample(range(low, high), 2)
+    return {"question": f"Which is larger, {a} or {b}?", "answer": str(max(a, b))}
 
 
 def agent(rng: random.Random, difficulty: int) -> dict:
