@@ -8,7 +8,9 @@ is left alone.
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -106,12 +108,14 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
-TRAINER_OPTIONS = ("model", "run", "batch_size", "window", "rollout_slots", "lr", "loss", "eps_low", "eps_high",
+TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss", "eps_low", "eps_high",
                    "group_timeout", "max_staleness", "stale_action", "token_budget", "wait_s", "from_now")
 
 
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
-    args = ["--bootstrap-servers", settings.bootstrap, *_flags({"run": "default", **opts}, TRAINER_OPTIONS)]
+    opts = {"run": "default", **opts}
+    opts.setdefault("checkpoint_dir", settings.checkpoint_dir / opts["run"])  # this deployment's home, always
+    args = ["--bootstrap-servers", settings.bootstrap, *_flags(opts, TRAINER_OPTIONS)]
     return ServiceSpec.python("trainer", "forge_stream", "train", *args, env=_threads(opts))
 
 
@@ -155,13 +159,40 @@ BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
 
 
 def ensure_model(settings: ForgeSettings, echo=print) -> None:
-    """The embedded default trains a tiny model built here (nothing is downloaded)."""
+    """The embedded default trains a tiny model built here (nothing is downloaded), warm-started on the scripted
+    teacher's demonstrations of the task suite so its rollouts earn rewards from the first step. The warm model is
+    built once per machine (cached under the cache directory, keyed by the code that makes it) and copied."""
     if (settings.model_dir / "config.json").exists():
         return
-    from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+    cached = demo_model(settings.cache_dir, echo)
+    echo(f"Copying the tiny demo model to {settings.model_dir}...")
+    shutil.copytree(cached, settings.model_dir, dirs_exist_ok=True)
 
-    echo(f"Writing the tiny demo model to {settings.model_dir}...")
-    init_tiny_model(settings.model_dir, TinyModelSpec(seed=0))
+
+def demo_model(cache_dir: Path, echo=print) -> Path:
+    """The warm-started tiny demo model in the cache, built on first use."""
+    import hashlib
+
+    from forge_stream.engine import corpus, tiny
+    from forge_stream.tasks import suite, teacher
+    from forge_stream.trainer import sft
+
+    key = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (tiny, corpus, suite, teacher, sft)))
+    path = cache_dir / f"demo-model-{key.hexdigest()[:12]}"
+    if (path / "config.json").exists():
+        return path
+    work = Path(tempfile.mkdtemp(prefix="demo-model-", dir=cache_dir if cache_dir.is_dir() else None))
+    echo(f"Writing the tiny demo model and warm-starting it on the task suite's demonstrations (forge-stream sft, "
+         f"about a minute on 2 cores, once per machine) into {path}...")
+    tiny.init_tiny_model(work / "init", tiny.TinyModelSpec(seed=0))
+    sft.run_sft(sft.SftSettings(base_model=work / "init", out=work / "warm"), progress=echo)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        (work / "warm").rename(path)
+    except OSError:  # another process built it first
+        pass
+    shutil.rmtree(work, ignore_errors=True)
+    return path
 
 
 def local_broker(settings: ForgeSettings) -> LocalBroker:

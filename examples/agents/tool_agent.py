@@ -9,7 +9,7 @@ Two modes, nothing forge-specific in either:
 - single shot: the task JSON comes from FORGE_TASK_JSON (or stdin), the endpoint from OPENAI_BASE_URL and
   OPENAI_API_KEY; the answer is printed on stdout.
 - `--serve`: JSON lines on stdin, `{"id", "base_url", "api_key", "task"}` per episode; episodes run concurrently
-  in a thread pool (FORGE_AGENT_THREADS, default 16) and each answers `{"id", "output"}` or `{"id", "error"}`
+  in a thread pool (FORGE_AGENT_THREADS, default 64) and each answers `{"id", "output"}` or `{"id", "error"}`
   on stdout. The process lives until stdin ends.
 """
 
@@ -96,7 +96,7 @@ def serve(solve_one) -> None:
             sys.stdout.write(json.dumps(reply) + "\n")
             sys.stdout.flush()
 
-    with ThreadPoolExecutor(int(os.environ.get("FORGE_AGENT_THREADS", "16"))) as pool:
+    with ThreadPoolExecutor(int(os.environ.get("FORGE_AGENT_THREADS", "64"))) as pool:
         for line in sys.stdin:
             if line.strip():
                 pool.submit(episode, json.loads(line))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Callable
 import httpx
 
 from forge_stream.deploy import Topology, up
+from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
@@ -55,12 +55,6 @@ class LearningSettings:
     bootstrap: str | None = None  # an external cluster; default: the bench's own broker
     home: Path | None = None  # default: a fresh temporary directory, removed afterwards
     plot: Path | None = None  # draw the reward curve here before tearing down
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args: str, env: dict[str, str]) -> dict:
@@ -100,13 +94,13 @@ def _wait_served(engine_url: str, version: int, timeout_s: float = 120.0) -> int
 
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
     home = s.home or Path(tempfile.mkdtemp(prefix="forge-bench-learning-"))
-    ports = {name: _free_port() for name in ("kafka_port", "kafka_controller_port", "registry_port", "engine_port",
+    ports = {name: free_port() for name in ("kafka_port", "kafka_controller_port", "registry_port", "engine_port",
                                              "gateway_port")}
     cfg = ForgeSettings(home=home, bootstrap_servers=s.bootstrap, **ports)
     env = {**os.environ, "FORGE_HOME": str(home), **{f"FORGE_{k.upper()}": str(v) for k, v in ports.items()}}
     if s.bootstrap:
         env["FORGE_BOOTSTRAP_SERVERS"] = s.bootstrap
-    suite = f"seed={s.seed}&mix={s.mix.replace(',', '%2C')}"
+    suite = f"seed={s.seed}&mix={s.mix}"
     gateway_url = f"http://127.0.0.1:{cfg.gateway_port}"
     engine_url = f"http://127.0.0.1:{cfg.engine_port}"
     started = time.monotonic()
@@ -141,8 +135,8 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
 
         supervisor.start(controller_service(cfg, {
             "tasks": f"suite:train?{suite}", "agent": AGENT, "agent_workers": s.agent_workers,
-            "agent_per_worker": s.concurrency, "concurrency": s.concurrency, "group_size": s.group_size,
-            "name": RUN, "loop": True}))
+            "agent_per_worker": -(-s.concurrency // s.agent_workers), "concurrency": s.concurrency,
+            "group_size": s.group_size, "name": RUN, "loop": True}))
         deadline = rl_started + s.rl_minutes * 60
         shown = 0
         while time.monotonic() < deadline:

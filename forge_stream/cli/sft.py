@@ -8,14 +8,14 @@ from typing import Optional
 import typer
 
 from forge_stream.cli.bench import emit
-from forge_stream.cli.options import JsonOption, settings
+from forge_stream.cli.options import JsonOption
 
 
 def sft(
     out: Path = typer.Option(..., help="Directory to write the warm-started model to."),
-    model: Optional[Path] = typer.Option(None, help="Base model (HF directory); default: the tiny demo model."),
-    examples: int = typer.Option(300, help="Distinct training tasks demonstrated."),
-    steps: int = typer.Option(150, help="Optimizer steps."),
+    model: Optional[Path] = typer.Option(None, help="Base model (HF directory); default: a fresh tiny model."),
+    examples: int = typer.Option(600, help="Distinct training tasks demonstrated."),
+    steps: int = typer.Option(600, help="Optimizer steps."),
     batch_size: int = typer.Option(16, help="Demonstrations per step."),
     lr: float = typer.Option(2e-3, help="AdamW learning rate."),
     seed: int = typer.Option(0, help="Seed of the demonstrations and the batches."),
@@ -24,15 +24,15 @@ def sft(
     as_json: bool = JsonOption,
 ) -> None:
     """Supervised fine-tuning on teacher demonstrations (assistant tokens only, tree-packed forward pass)."""
-    from forge_stream.deploy import ensure_model
     from forge_stream.tasks.suite import parse_mix
     from forge_stream.trainer.sft import SftSettings, run_sft
 
     base = model
     if base is None:
-        cfg = settings()
-        ensure_model(cfg, echo=lambda line: typer.echo(line, err=True))
-        base = cfg.model_dir
+        from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+
+        base = out.with_name(out.name + "-init")
+        init_tiny_model(base, TinyModelSpec(seed=seed))
     result = run_sft(SftSettings(base_model=base, out=out, examples=examples, steps=steps, batch_size=batch_size,
                                  lr=lr, seed=seed, mix=parse_mix(mix), difficulty=difficulty),
                      progress=lambda line: typer.echo(line, err=True))

@@ -3,7 +3,8 @@
 The watcher reads the topic from the beginning without a consumer group (every engine replica must see every
 version), skips to the newest version of each batch it reads, and never goes backwards; a version re-published
 with another checkpoint (a step the trainer re-ran after a crash) replaces the weights of that version. Requests in flight finish
-on the weights they started with.
+on the weights they started with. A version whose checkpoint cannot be loaded (rotated away, unreadable) is
+skipped with a warning: the engine keeps serving what it has and loads the next version that comes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 from aiokafka import AIOKafkaConsumer
 
+from forge_stream.engine.serving import EngineRequestError
 from forge_stream.events import DecodeError, decode
 from forge_stream.topics import TOPICS
 
@@ -55,10 +57,16 @@ async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: in
         while True:
             records = run_records(await consumer.getmany(timeout_ms=poll_ms), run)
             target = newest(records, engine.policy_version, engine.scheduler.current.path)
-            if target is not None:
+            if target is None:
+                continue
+            try:
                 result = await engine.load_weights(target["checkpoint_uri"], target["version"])
-                log.info("loaded policy version %s from %s in %.2fs", result.policy_version, result.path,
-                         result.load_seconds)
+            except EngineRequestError as exc:  # e.g. the trainer already rotated that checkpoint away
+                log.warning("cannot load policy version %s (%s); still serving version %s until a newer one "
+                            "loads", target["version"], exc, engine.policy_version)
+                continue
+            log.info("loaded policy version %s from %s in %.2fs", result.policy_version, result.path,
+                     result.load_seconds)
     finally:
         await consumer.stop()
 

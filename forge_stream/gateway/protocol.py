@@ -55,7 +55,7 @@ class SessionCreated(_Model):
 
 
 class RewardIn(_Model):
-    value: float
+    value: float = Field(allow_inf_nan=False)  # one NaN reward would poison every advantage of its group
     kind: str = "outcome"
     name: str = "grader"
     source: str = "grader"

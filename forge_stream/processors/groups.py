@@ -24,6 +24,8 @@ replayed events for it are ignored until the marker is forgotten (`forget_closed
 
 from __future__ import annotations
 
+import math
+
 from forge_stream.processors.rollouts import latest_completions
 from forge_stream.processors.settings import ProcessorSettings
 
@@ -51,6 +53,10 @@ def validate(schema: str, record: dict) -> None:
         n, m = len(record["completion_token_ids"]), len(record["completion_logprobs"])
         if n != m:
             raise InvalidEvent(f"Completion {record['completion_id']}: {n} completion tokens but {m} logprobs")
+    if schema == "Reward" and not math.isfinite(record["value"]):
+        raise InvalidEvent(f"Reward {record['event_id']}: value {record['value']} is not a finite number")
+    if schema == "Completion" and record["trainable"] and not all(map(math.isfinite, record["completion_logprobs"])):
+        raise InvalidEvent(f"Completion {record['completion_id']}: a completion logprob is not finite")
     if schema == "Reward" and not record["metadata"].get("choice_index", "0").isdigit():
         raise InvalidEvent(f"Reward {record['event_id']}: metadata choice_index "
                            f"{record['metadata']['choice_index']!r} is not a choice index")

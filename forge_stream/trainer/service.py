@@ -16,6 +16,7 @@ suffix so a re-trained version never overwrites weights an engine may already se
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -81,12 +82,18 @@ class PolicyTrainer:
         log.info("trainer starts at policy version %d from %s", resume_version, path)
 
     def validate(self, sample: dict) -> None:
-        """ValueError for a sample this model cannot train on (inconsistent tree, token ids beyond its vocabulary)."""
+        """ValueError for a sample this model cannot train on (inconsistent tree, token ids outside its vocabulary,
+        non-finite advantages or log-probs)."""
         tree = sample_tree(sample)
         vocab = self.model.get_input_embeddings().num_embeddings
         if tree.num_rows and int(tree.token_ids.max()) >= vocab:
             raise ValueError(f"token id {int(tree.token_ids.max())} is outside the model's vocabulary of {vocab}: "
                              "was it rolled out with another tokenizer?")
+        if tree.num_rows and int(tree.token_ids.min()) < 0:
+            raise ValueError(f"token id {int(tree.token_ids.min())} is negative")
+        for ref in sample["sequences"]:
+            if not (math.isfinite(ref["advantage"]) and all(map(math.isfinite, ref["old_logprobs"]))):
+                raise ValueError(f"sequence {ref['completion_id']} has a non-finite advantage or logprob")
 
     @property
     def run(self) -> str:
@@ -105,6 +112,10 @@ class PolicyTrainer:
 
     def checkpoint(self) -> dict:
         """Save the weights as the next policy version; returns its PolicyVersion record."""
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(f"refusing to publish non-finite weights ({', '.join(bad[:3])}...); "
+                                     "the last good checkpoint stays the served policy")
         self.policy_version += 1
         path = self._save(self.policy_version)
         return {"event_id": deterministic_id("policy", self.run, path.name), "event_time": now_ms(),

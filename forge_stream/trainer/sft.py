@@ -28,8 +28,8 @@ from forge_stream.tree import pack, sequence_logprobs
 class SftSettings:
     base_model: Path
     out: Path
-    examples: int = 300  # distinct training tasks demonstrated
-    steps: int = 150
+    examples: int = 600  # distinct training tasks demonstrated
+    steps: int = 600  # past the jump where copying digits is learned (about step 300), settled
     batch_size: int = 16  # demonstrations per step
     lr: float = 2e-3
     seed: int = 0

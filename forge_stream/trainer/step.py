@@ -15,6 +15,7 @@ the mean outcome reward of the batch's rollouts (one value per distinct (group, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
@@ -178,7 +179,10 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    optimizer.step()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:  # a non-finite gradient would make every weight NaN: the step changes nothing and says so (grad_norm)
+        optimizer.zero_grad(set_to_none=True)
     trees = acc["trees"]
     total = sum(t.total_tokens for t in trees)
     unique = sum(t.num_rows for t in trees)

@@ -33,6 +33,8 @@ def test_bad_requests_get_openai_errors(gateway_url, run_id):
     assert _error(httpx.post(f"{url}/chat/completions", json={**HI, "n": 0}), 422)["param"] == "n"
     _error(httpx.post(f"{gateway_url}/v1/sessions", json={"group_id": "g"}), 422)
     _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": "x"}), 422)
+    for value in ("NaN", "Infinity", "-inf"):  # pydantic would read these strings as floats
+        _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": value}), 422)
     _error(httpx.get(f"{gateway_url}/no/such/route"), 404)
     big = {"messages": [{"role": "user", "content": "x" * 9_000_000}]}
     _error(httpx.post(f"{url}/chat/completions", json=big), 413)

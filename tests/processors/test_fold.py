@@ -102,11 +102,16 @@ def test_own_rewards_are_not_read_back():
 
 @pytest.mark.parametrize("schema,patch", [
     ("Completion", {"completion_logprobs": [0.0]}),
+    ("Completion", {"completion_logprobs": [float("nan")] * 4}),
+    ("Reward", {"value": float("nan")}),
+    ("Reward", {"value": float("-inf")}),
     ("Task", {"group_size": 0}),
     ("Task", {"group_id": ""}),
 ])
 def test_invalid_events_are_rejected(schema, patch):
     record = next(r for s, r in group_events("g") if s == schema and r.get("completion_token_ids", [1]))
+    if "completion_logprobs" in patch and len(patch["completion_logprobs"]) > 1:  # one per token, all NaN
+        patch = {"completion_logprobs": [float("nan")] * len(record["completion_token_ids"])}
     with pytest.raises(InvalidEvent):
         fold(None, schema, {**record, **patch}, SETTINGS)
 

@@ -109,3 +109,15 @@ def test_trainer_rejects_samples_it_cannot_train_on(tiny_model_dir, tmp_path, ru
         trainer.validate(too_big)
     with pytest.raises(ValueError, match="at least one sequence"):
         trainer.validate({**good, "sequences": []})
+    with pytest.raises(ValueError, match="negative"):
+        trainer.validate({**good, "token_ids": [-3] + list(good["token_ids"][1:])})
+    nan_advantage = {**good, "sequences": [{**good["sequences"][0], "advantage": float("nan")},
+                                           *good["sequences"][1:]]}
+    with pytest.raises(ValueError, match="non-finite"):
+        trainer.validate(nan_advantage)
+    for name, param in trainer.model.named_parameters():  # never published: the last good policy stays served
+        param.data[0] = float("nan")
+        break
+    with pytest.raises(FloatingPointError, match="non-finite weights"):
+        trainer.checkpoint()
+    assert trainer.policy_version == 0 and not list(tmp_path.glob("v*"))

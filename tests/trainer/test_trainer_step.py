@@ -175,3 +175,15 @@ def test_mismatch_is_visible_in_the_step_stats():
     hot = train_step(model, build_optimizer(model, config), _with_old_logprobs(model, _samples(), 0.5), config, 4)
     assert hot.mismatch_mean > 0.05 and hot.mismatch_max >= hot.mismatch_mean
     assert abs(hot.ratio_mean - 1.0) > 0.01 and hot.ratio_max > 1.0
+
+
+def test_a_non_finite_gradient_changes_no_weight():
+    """One NaN advantage that slipped through would make every weight NaN after the optimizer step."""
+    model = tiny_causal_lm("llama", seed=8)
+    samples = _samples()
+    samples[0]["sequences"][0]["advantage"] = float("nan")
+    config = StepConfig(lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_step(model, build_optimizer(model, config), samples, config, policy_version=5)
+    assert stats.grad_norm != stats.grad_norm  # reported as NaN
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
