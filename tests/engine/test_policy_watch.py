@@ -35,6 +35,12 @@ def test_engine_follows_forge_policy(kafka_bootstrap, tiny_model_dir, tiny_model
         producer.send_sync(TOPICS.policy, "another-run", {
             "event_id": run_id + "x", "event_time": 0, "version": version + 5, "step": 1,
             "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
+        # a version whose checkpoint is gone (rotated away by the trainer) is skipped, the follower lives on
+        producer.send_sync(TOPICS.policy, "default", {
+            "event_id": run_id + "gone", "event_time": 0, "version": version, "step": 1,
+            "checkpoint_uri": str(tmp_path / "rotated-away"), "base_model": "tiny"})
+        time.sleep(2)
+        assert _version(engine.url) == version - 1
         producer.send_sync(TOPICS.policy, "default", {
             "event_id": run_id, "event_time": 0, "version": version, "step": 1,
             "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
