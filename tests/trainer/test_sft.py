@@ -10,7 +10,7 @@ from forge_stream.trainer.sft import SftSettings, render_turns, run_sft, sft_los
 
 def test_loss_is_assistant_token_nll_of_separate_passes(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval().requires_grad_(False)
     batch = [render_turns(tokenizer, demonstration(t.prompt, t.domain)) for t in make_tasks("train", 6, seed=1)]
     nll, count = 0.0, 0
     for demo in batch:
