@@ -139,8 +139,9 @@ def plot_curves(curves: RewardCurves, out: Path, title: str | None = None) -> No
         ax.plot(train.step, train.mean_reward, color="tab:gray", linestyle="--", linewidth=1,
                 label="composite reward")
     for (domain, s), color in zip(curves.evals.items(), itertools.cycle(EVAL_COLORS)):
-        below = [m - lo for m, lo in zip(s.mean_reward, s.ci_low)]
-        above = [hi - m for m, hi in zip(s.mean_reward, s.ci_high)]
+        # a Wilson bound can round a hair past a mean of 0 or 1: matplotlib refuses negative error bars
+        below = [max(0.0, m - lo) for m, lo in zip(s.mean_reward, s.ci_low)]
+        above = [max(0.0, hi - m) for m, hi in zip(s.mean_reward, s.ci_high)]
         ax.errorbar(s.x, s.mean_reward, yerr=[below, above], fmt="o-", capsize=4, markersize=5, color=color,
                     label=f"held-out eval: {domain} (95% CI)")
     ax.set_xlabel("training step (evaluations at the step their policy version appeared)")

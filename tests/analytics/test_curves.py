@@ -53,3 +53,12 @@ def test_plot_rewards_from_the_broker(kafka_bootstrap, run_id, tmp_path):
     assert qa["ci_low"] == [eval_result(run_id, v, "qa", m)["ci_low"] for v, _, m in evals[:3]]
     assert qa["ci_high"] == [eval_result(run_id, v, "qa", m)["ci_high"] for v, _, m in evals[:3]]
     assert series["evals"]["reasoning"]["mean_reward"] == [0.3]
+
+
+def test_a_perfect_score_whose_bound_rounds_below_it_still_plots(tmp_path):
+    """Seen on a real run: lookup 1.000 with a Wilson upper bound of 0.9999999999999999."""
+    from forge_stream.analytics.curves import plot_curves
+
+    perfect = eval_result("r", 0, "lookup", 1.0) | {"ci_low": 0.72, "ci_high": 0.9999999999999999}
+    plot_curves(build_curves("r", [train_step("r", 0)], [perfect]), tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
