@@ -104,7 +104,7 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
         "--data-dir", str(settings.home / "processors"),
-        "--group-timeout-s", str(opts.get("group_timeout_s", 600)), *_flags(opts, ("advantage", "gamma")),
+        "--group-timeout-s", str(opts.get("group_timeout_s", 600)), *_flags(opts, ("advantage", "advantage_scale", "gamma")),
     )
 
 

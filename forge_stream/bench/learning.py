@@ -42,6 +42,7 @@ class LearningSettings:
     rl_minutes: float = 15.0
     loss: str = "cispo"
     lr: float = 1e-4
+    advantage_scale: str = "std"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
     concurrency: int = 64  # sessions in flight
@@ -115,7 +116,7 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
             "engine": {"model": str(warm), "max_batch_size": s.concurrency, "threads": 1, "policy_run": RUN},
             "gateway": {},
-            "processors": {"group_timeout_s": 120, "advantage": "rollout"},
+            "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale},
             "trainer": {"model": str(warm), "run": RUN, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,
                         "group_timeout": 300, "threads": 1},

@@ -99,6 +99,7 @@ def learning(
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
+    advantage_scale: str = typer.Option("std", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
     concurrency: int = typer.Option(64, help="Sessions in flight."),
     heldout_tasks: int = typer.Option(200, help="Held-out tasks per evaluation."),
@@ -114,7 +115,7 @@ def learning(
     """Warm start, held-out eval, RL through the whole pipeline for a fixed budget, held-out eval again."""
     from forge_stream.bench.learning import LearningSettings, run
 
-    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, batch_size=batch_size, group_size=group_size,
+    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                               concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,
                               seed=seed, bootstrap=bootstrap_servers, home=home, plot=plot),
              progress=lambda line: typer.echo(line, err=True)), as_json)

@@ -21,6 +21,8 @@ def run(
     gamma: float = typer.Option(1.0, help="Reward-to-go discount (turn advantages)."),
     advantage: str = typer.Option("rollout", help="rollout: GRPO, each rollout's return normalized over the "
                                                   "group's rollouts; turn: reward-to-go normalized over all turns."),
+    advantage_scale: str = typer.Option("std", help="std: divide by the group's std (GRPO); none: only subtract "
+                                                    "the group's mean (Dr. GRPO)."),
     tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
@@ -33,7 +35,7 @@ def run(
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
-                                     advantage=advantage),
+                                     advantage=advantage, advantage_scale=advantage_scale),
         tick_s=tick_s, offset_reset=offset_reset,
     )
     run_worker(config, loglevel)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from forge_stream.processors.rollouts import RolloutSpec, reward_choice, session_rollouts
 from forge_stream.processors.rules import TurnContext, load_rule
-from forge_stream.processors.settings import AdvantageMode, ProcessorSettings
+from forge_stream.processors.settings import AdvantageMode, AdvantageScale, ProcessorSettings
 
 
 @dataclass
@@ -122,26 +122,39 @@ def reward_to_go(rewards: list[float], gamma: float) -> list[float]:
     return out
 
 
-def normalize(values: list[float]) -> list[float]:
-    """(v - mean) / std with the population std; all zeros when there is no spread.
+def normalize(values: list[float], scale: AdvantageScale = "std") -> list[float]:
+    """v - mean, divided by the population std when `scale` is "std" (all zeros when there is no spread).
 
     >>> normalize([1.0, 3.0])
     [-1.0, 1.0]
+    >>> normalize([1.0, 3.0], "none")
+    [-1.0, 1.0]
+    >>> [round(v, 3) for v in normalize([1.0, 1.1, 1.0, 0.9], "std")]  # a 0.1 spread blown up to a success's size
+    [0.0, 1.414, 0.0, -1.414]
+    >>> [round(v, 3) for v in normalize([1.0, 1.1, 1.0, 0.9], "none")]
+    [0.0, 0.1, 0.0, -0.1]
     """
     if not values:
         return []
     mean = math.fsum(values) / len(values)
+    if scale == "none":
+        return [v - mean for v in values]
+    if scale != "std":
+        raise ValueError(f"unknown advantage scale {scale!r} (std or none)")
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
     if std <= 1e-12:
         return [0.0] * len(values)
     return [(v - mean) / std for v in values]
 
 
-def advantages(rewards: list[list[float]], gamma: float, mode: AdvantageMode) -> list[list[float]]:
+def advantages(rewards: list[list[float]], gamma: float, mode: AdvantageMode,
+               scale: AdvantageScale = "std") -> list[list[float]]:
     """Per-turn advantages of a group's rollouts from their per-turn composite rewards (module docstring).
 
     >>> advantages([[0.25, 0.75], [0.0, 0.0]], 1.0, "rollout")
     [[1.0, 1.0], [-1.0, -1.0]]
+    >>> advantages([[0.25, 0.75], [0.0, 0.0]], 1.0, "rollout", "none")
+    [[0.5, 0.5], [-0.5, -0.5]]
     >>> advantages([[1.0], [0.0, 0.0, 0.0], []], 1.0, "rollout")
     [[1.0], [-1.0, -1.0, -1.0], []]
     >>> [[round(a, 3) for a in r] for r in advantages([[1.0], [0.0, 0.0, 0.0]], 1.0, "turn")]
@@ -149,12 +162,12 @@ def advantages(rewards: list[list[float]], gamma: float, mode: AdvantageMode) ->
     """
     if mode == "rollout":
         scored = [i for i, r in enumerate(rewards) if r]
-        returns = dict(zip(scored, normalize([math.fsum(rewards[i]) for i in scored])))
+        returns = dict(zip(scored, normalize([math.fsum(rewards[i]) for i in scored], scale)))
         return [[returns[i]] * len(r) if r else [] for i, r in enumerate(rewards)]
     if mode != "turn":
         raise ValueError(f"unknown advantage mode {mode!r} (rollout or turn)")
     togo = [reward_to_go(r, gamma) for r in rewards]
-    flat = iter(normalize([g for gs in togo for g in gs]))
+    flat = iter(normalize([g for gs in togo for g in gs], scale))
     return [[next(flat) for _ in gs] for gs in togo]
 
 
@@ -188,7 +201,8 @@ def score_group(state: dict, session_ids: list[str], settings: ProcessorSettings
         for turn, g in zip(turns, reward_to_go([t.reward for t in turns], settings.gamma)):
             turn.reward_to_go = g
         rollouts.append(rollout)
-    per_turn = advantages([[t.reward for t in r.turns] for r in rollouts], settings.gamma, settings.advantage)
+    per_turn = advantages([[t.reward for t in r.turns] for r in rollouts], settings.gamma, settings.advantage,
+                          settings.advantage_scale)
     for rollout, advs in zip(rollouts, per_turn):
         for turn, adv in zip(rollout.turns, advs):
             turn.advantage = adv

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 AdvantageMode = Literal["rollout", "turn"]
+AdvantageScale = Literal["std", "none"]
 
 
 class RuleSpec(BaseModel):
@@ -39,6 +40,8 @@ class ProcessorSettings(BaseModel):
     # "rollout": GRPO, each rollout's return normalized over the group's rollouts, shared by all its turns;
     # "turn": each turn's reward-to-go normalized over all turns of the group (forge_stream.processors.rewards)
     advantage: AdvantageMode = "rollout"
+    # "std": divide by the group's std (GRPO); "none": only subtract the group's mean (Dr. GRPO). See rewards.py.
+    advantage_scale: AdvantageScale = "std"
     rules: tuple[RuleSpec, ...] = DEFAULT_RULES
     time_reward_weight: float = 0.1  # the time reward lies in [-weight, +weight]
     success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this

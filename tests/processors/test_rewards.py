@@ -47,3 +47,21 @@ def test_time_reward_bounded_faster_is_better(rollouts):
         for b in ok:
             if times[a] < times[b]:
                 assert got[a] > got[b]
+
+
+def test_advantage_scale_none_keeps_sub_outcome_differences_small():
+    """A group that always succeeds differs only by its time rewards (at most +-0.1). Dividing by the group's std
+    blows that up to the size of a success signal; without it (Dr. GRPO) the group weighs what its rewards say."""
+    from forge_stream.processors.rewards import advantages
+
+    solved = [[1.0 + 0.1], [1.0 - 0.1], [1.0 + 0.02], [1.0 - 0.02]]
+    mixed = [[1.0], [0.0], [0.0], [0.0]]
+    by_std = advantages(solved, 1.0, "rollout", "std")
+    by_mean = advantages(solved, 1.0, "rollout", "none")
+    assert max(abs(a[0]) for a in by_std) > 1.0  # as loud as a success in a mixed group
+    assert max(abs(a[0]) for a in by_mean) <= 0.1 + 1e-9
+    mixed_by_mean = advantages(mixed, 1.0, "rollout", "none")
+    assert mixed_by_mean[0][0] == 0.75 and mixed_by_mean[1][0] == -0.25
+    assert math.isclose(sum(a[0] for a in mixed_by_mean), 0.0, abs_tol=1e-12)
+    turns = advantages([[0.0, 1.0], [0.0, 0.0]], 1.0, "turn", "none")
+    assert turns == [[0.5, 0.5], [-0.5, -0.5]]
