@@ -42,7 +42,7 @@ class LearningSettings:
     rl_minutes: float = 15.0
     loss: str = "cispo"
     lr: float = 1e-4
-    advantage_scale: str = "std"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
+    advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
     concurrency: int = 64  # sessions in flight
@@ -131,6 +131,7 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
         progress(f"[4/6] RL for {s.rl_minutes:g} minutes ({s.loss}, lr {s.lr:g}, {s.batch_size} groups x "
                  f"G={s.group_size} a step)")
         supervisor = Supervisor(cfg.run_dir)
+        cpu_before = _cpu_by_service(cfg)
         rl_started = time.monotonic()
         from forge_stream.deploy import controller_service
 
@@ -147,6 +148,9 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
                 progress(f"  step {step['step']}: outcome reward {step['outcome_reward']:.3f}, "
                          f"loss {step['loss']:.4f}, mismatch {step['mismatch_mean']:.4f}, groups {step['groups']}")
             shown = len(steps)
+        cpu_after = _cpu_by_service(cfg)
+        cpu = {name: round(seconds - cpu_before.get(name, 0.0), 1) for name, seconds in cpu_after.items()}
+        progress(f"  CPU seconds used during RL, by service: {cpu}")
         progress("[5/6] stopping the rollouts and the trainer; the engine loads the last policy")
         supervisor.stop("controller", timeout=120)
         rl_minutes = (time.monotonic() - rl_started) / 60
@@ -162,7 +166,8 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
 
             plot_curves(load_curves(cfg.bootstrap, RUN), s.plot,
                         f"forge-stream bench learning ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
-        return _summary(s, sft, baseline, final, steps, rl_minutes, served, time.monotonic() - started)
+        return {**_summary(s, sft, baseline, final, steps, rl_minutes, served, time.monotonic() - started),
+                "rl_cpu_seconds": cpu}
     finally:
         Supervisor(cfg.run_dir).stop_all()
         if cfg.embedded:
@@ -171,6 +176,38 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
             local_broker(cfg).stop()
         if s.home is None:
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _proc_tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of a live process and its live descendants, from /proc (Linux)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == pid]
+    return total
+
+
+def _cpu_by_service(cfg: ForgeSettings) -> dict[str, float]:
+    """Each service's CPU seconds so far (with its child processes: the controller's agents), and the broker's."""
+    out = {name: round(_proc_tree_cpu_s(entry["pid"]), 1)
+           for name, entry in Supervisor(cfg.run_dir).status().items() if entry.get("pid")}
+    if cfg.embedded:
+        from forge_stream.deploy import local_broker
+
+        pid = local_broker(cfg).pid()
+        if pid:
+            out["kafka"] = round(_proc_tree_cpu_s(pid), 1)
+    return out
 
 
 def _describe(result: dict) -> str:

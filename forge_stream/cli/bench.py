@@ -99,7 +99,7 @@ def learning(
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
-    advantage_scale: str = typer.Option("std", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
+    advantage_scale: str = typer.Option("none", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
     concurrency: int = typer.Option(64, help="Sessions in flight."),
     heldout_tasks: int = typer.Option(200, help="Held-out tasks per evaluation."),

@@ -21,7 +21,7 @@ def run(
     gamma: float = typer.Option(1.0, help="Reward-to-go discount (turn advantages)."),
     advantage: str = typer.Option("rollout", help="rollout: GRPO, each rollout's return normalized over the "
                                                   "group's rollouts; turn: reward-to-go normalized over all turns."),
-    advantage_scale: str = typer.Option("std", help="std: divide by the group's std (GRPO); none: only subtract "
+    advantage_scale: str = typer.Option("none", help="std: divide by the group's std (GRPO); none: only subtract "
                                                     "the group's mean (Dr. GRPO)."),
     tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),

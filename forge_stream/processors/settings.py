@@ -41,7 +41,7 @@ class ProcessorSettings(BaseModel):
     # "turn": each turn's reward-to-go normalized over all turns of the group (forge_stream.processors.rewards)
     advantage: AdvantageMode = "rollout"
     # "std": divide by the group's std (GRPO); "none": only subtract the group's mean (Dr. GRPO). See rewards.py.
-    advantage_scale: AdvantageScale = "std"
+    advantage_scale: AdvantageScale = "none"
     rules: tuple[RuleSpec, ...] = DEFAULT_RULES
     time_reward_weight: float = 0.1  # the time reward lies in [-weight, +weight]
     success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this

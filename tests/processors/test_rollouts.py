@@ -82,8 +82,8 @@ def test_choices_are_sibling_rollouts_sharing_the_prefix():
         assert traj["turns"][-1]["outcome_reward"] == traj["outcome_reward"] == [1.0, 0.0, 1.0][c]
         assert traj["turns"][0]["outcome_reward"] == 0.0
     assert len({t["event_id"] for t in trajectories.values()}) == 3
-    # GRPO over the three rollouts: returns 1, 0, 1 -> (R - 2/3) / sqrt(2/9)
-    want = {0: 1 / math.sqrt(2), 1: -math.sqrt(2), 2: 1 / math.sqrt(2)}
+    # Dr. GRPO (the default scale) over the three rollouts: returns 1, 0, 1 -> R - 2/3
+    want = {0: 1 / 3, 1: -2 / 3, 2: 1 / 3}
     for c, traj in trajectories.items():
         assert all(t["advantage"] == pytest.approx(want[c]) for t in traj["turns"])
     [sample] = of(out, "TrainSample")
