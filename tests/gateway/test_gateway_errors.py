@@ -1,6 +1,7 @@
 """Errors are OpenAI-style bodies with the right status; Kafka or engine trouble is 503 and records nothing."""
 
 import httpx
+import openai
 import pytest
 
 from forge_stream.gateway.app import create_app
@@ -35,7 +36,8 @@ def test_bad_requests_get_openai_errors(gateway_url, run_id):
     _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": "x"}), 422)
     for value in ("NaN", "Infinity", "-inf"):  # pydantic would read these strings as floats
         _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": value}), 422)
-    _error(httpx.get(f"{gateway_url}/no/such/route"), 404)
+    assert _error(httpx.get(f"{gateway_url}/no/such/route"), 404)["message"].startswith(
+        "GET /no/such/route is not supported")
     big = {"messages": [{"role": "user", "content": "x" * 9_000_000}]}
     _error(httpx.post(f"{url}/chat/completions", json=big), 413)
     assert httpx.get(f"{url}/models").json()["data"][0]["id"] == "scripted"
@@ -113,3 +115,14 @@ def test_auth_session_tokens_reach_only_their_session(make_gateway, scripted_url
         view = httpx.get(f"{gateway}/v1/sessions/{mine['session_id']}",
                          headers={"Authorization": f"Bearer {ADMIN}"}).json()
         assert view["turns"] == 2
+
+
+def test_unsupported_openai_routes_are_named_in_a_404(gateway_url, run_id):
+    session = open_session(gateway_url, run_id)
+    client = openai.OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as embeddings:
+        client.embeddings.create(model="scripted", input="hi")
+    path = f"/s/{session['session_id']}/v1/embeddings"
+    assert embeddings.value.body["message"] == (f"POST {path} is not supported by the forge-stream gateway (it serves "
+                                        "chat/completions, completions, responses and models).")
+    assert embeddings.value.body["type"] == "not_found_error"
