@@ -100,6 +100,28 @@ def test_kafka_down_mid_session_answers_503_and_rolls_the_turn_back(kafka_bootst
     assert [r["turn"] for r in records] == [0]
 
 
+def test_kafka_down_fails_a_response_and_keeps_no_chain(kafka_bootstrap, switchable, run_id):
+    gateway, sink = switchable
+    session = open_session(gateway, run_id)
+    client = openai.OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    first = client.responses.create(model="scripted", input="hi")
+    sink.down = True
+    with pytest.raises(openai.APIStatusError) as whole:
+        client.responses.create(model="scripted", input="again", previous_response_id=first.id)
+    assert whole.value.status_code == 503
+    events = list(client.responses.create(model="scripted", input="again", stream=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].code == "503" and "Kafka did not acknowledge" in events[-2].message
+    assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    with pytest.raises(openai.BadRequestError) as unknown:  # the failed response was not kept
+        client.responses.create(model="scripted", input="x", previous_response_id=events[-1].response.id)
+    assert unknown.value.code == "previous_response_not_found"
+    sink.down = False
+    assert client.responses.create(model="scripted", input="again", previous_response_id=first.id).output_text
+    records = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == session["session_id"])
+    assert sorted(r["turn"] for r in records) == [0, 1]
+
+
 def test_auth_session_tokens_reach_only_their_session(make_gateway, scripted_url, run_id):
     with make_gateway(engines=(scripted_url,), admin_token=ADMIN) as gateway:
         _error(httpx.post(f"{gateway}/v1/sessions", json={"group_id": run_id, "task_id": "t"}), 401)
