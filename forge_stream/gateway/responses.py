@@ -69,9 +69,9 @@ def _text(content, where: str) -> str:
 def input_messages(items, param: str = "input") -> list[dict]:
     """Responses input (a string or a list of items) as chat messages.
 
-    >>> input_messages([{"role": "user", "content": "hi"},
+    >>> input_messages([{"role": "user", "content": "hi"},  # doctest: +NORMALIZE_WHITESPACE
     ...                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-    ...                 {"type": "function_call_output", "call_id": "c1", "output": "3"}])  # doctest: +NORMALIZE_WHITESPACE
+    ...                 {"type": "function_call_output", "call_id": "c1", "output": "3"}])
     [{'role': 'user', 'content': 'hi'},
      {'role': 'assistant', 'content': None, 'tool_calls': [{'id': 'c1', 'type': 'function',
                                                              'function': {'name': 'f', 'arguments': '{}'}}]},

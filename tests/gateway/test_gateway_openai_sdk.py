@@ -159,7 +159,8 @@ def test_a_full_context_is_answered_as_openai_and_vllm_do(kafka_bootstrap, engin
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4000)
     error = too_many.value
     assert error.status_code == 400 and error.code == "context_length_exceeded"
-    assert error.body["message"].startswith("This model's maximum context length is 2048 tokens. However, you requested ")
+    assert error.body["message"].startswith(
+        "This model's maximum context length is 2048 tokens. However, you requested ")
     assert "in the completion" in error.message and error.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as long_prompt:
         client.chat.completions.create(model=model, messages=long, stream=True)
