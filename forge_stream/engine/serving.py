@@ -107,10 +107,7 @@ class EngineService:
         if not prompt_ids:
             raise EngineRequestError("The prompt is empty.", param="prompt")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise EngineRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{params.max_tokens} output tokens and your prompt contains {len(prompt_ids)} input tokens.",
-                param="max_tokens")
+            raise self.context_full(len(prompt_ids), params.max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         request = Request(prompt_ids=prompt_ids, params=params, n=n,
@@ -141,12 +138,25 @@ class EngineService:
                 raise EngineRequestError(event.message, status=500)
         return version, results
 
+    def context_full(self, prompt_len: int, max_tokens: int | None) -> EngineRequestError:
+        """A request that does not fit the context, in vLLM's words (which clients and the gateway recognize)."""
+        if max_tokens is None:
+            return EngineRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len} tokens in the messages, Please reduce the length of the messages.", param="messages")
+        return EngineRequestError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.", param="max_tokens")
+
     def sampling_params(self, *, max_tokens: int | None, prompt_len: int, temperature: float | None,
                         top_p: float | None, stop: str | list[str] | None, seed: int | None, top_logprobs: int,
                         ignore_eos: bool, stop_token_ids: list[int] | None, skip_special_tokens: bool,
                         include_stop_str_in_output: bool) -> SamplingParams:
         """Validate OpenAI sampling fields into SamplingParams (defaults as vLLM: temperature 1, top_p 1)."""
         if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise self.context_full(prompt_len, None)
             max_tokens = self.max_model_len - prompt_len
         if max_tokens < 1:
             raise EngineRequestError("max_tokens must be at least 1.", param="max_tokens")

@@ -60,7 +60,10 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
         return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> Response:
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:  # no route matched
+            return _error(404, f"{request.method} {request.url.path} is not supported by the forge-stream gateway "
+                               "(it serves chat/completions, completions, responses and models).")
         return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)

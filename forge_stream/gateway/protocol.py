@@ -16,17 +16,37 @@ class GatewayError(Exception):
     """An error answered with OpenAI's body {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 retry_after: int | None = None, raw: bytes | None = None):
+                 retry_after: int | None = None, raw: bytes | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
         self.raw = raw  # an engine's own error body, passed through as is
+        self.code = code  # OpenAI's error code (e.g. "context_length_exceeded"); default: the status
 
     def body(self) -> bytes:
-        return self.raw if self.raw is not None else error_body(self.status, self.message, self.kind, self.param)
+        if self.raw is not None:
+            return self.raw
+        return error_body(self.status, self.message, self.kind, self.param, self.code)
 
 
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+def error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status if code is None else code}})
+
+
+CONTEXT_FULL = "maximum context length"  # in vLLM's (and OpenAI's) message when prompt + max_tokens do not fit
+
+
+def engine_error(status: int, content: bytes) -> GatewayError:
+    """An engine's error answer: passed through as is, except a full context, answered as OpenAI does
+    (400, code "context_length_exceeded", the engine's message), which clients recognize to trim their history."""
+    try:
+        error = orjson.loads(content).get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+    except (orjson.JSONDecodeError, AttributeError):
+        message = None
+    if status == 400 and isinstance(message, str) and CONTEXT_FULL in message.lower():
+        return GatewayError(400, message, "invalid_request_error", "messages", code="context_length_exceeded")
+    return GatewayError(status, "engine error", "engine_error", raw=content)
 
 
 def invalid(message: str, param: str | None = None) -> GatewayError:

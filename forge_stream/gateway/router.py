@@ -1,6 +1,7 @@
 """The gateway's HTTP surface: thin FastAPI routes over the GatewayService kept in `app.state.gateway`.
 
-Agents: `/s/{session_id}/v1/chat/completions`, `/s/{session_id}/v1/completions`, `/s/{session_id}/v1/models`, or
+Agents: `/s/{session_id}/v1/chat/completions`, `/s/{session_id}/v1/completions`, `/s/{session_id}/v1/responses`
+(the Responses API, served through the chat path), `/s/{session_id}/v1/models`, or
 the same under `/v1/...` with the session named by `X-Forge-Session` (or by the agent's own bearer token).
 `X-Forge-Agent` names which agent of a multi-agent rollout asked. Controllers and graders: `POST /v1/sessions`,
 `GET /v1/sessions/{id}`, `POST /v1/sessions/{id}/reward`, `/spans`, `/finish`.
@@ -102,13 +103,28 @@ def _admin_session(request: Request, session_id: str) -> Session:
 
 
 async def _complete(request: Request, session_id: str | None, kind: str) -> Response:
+    """An agent's OpenAI call: `kind` is chat, completion or responses."""
     session = agent_session(request, session_id)
     service = _service(request)
     body = await read_json(request, service.settings.max_request_bytes)
-    result = await service.complete(session, kind, body, request.headers.get("x-forge-agent", ""))
+    agent = request.headers.get("x-forge-agent", "")
+    if kind == "responses":
+        result = await service.respond(session, body, agent)
+    else:
+        result = await service.complete(session, kind, body, agent)
     if isinstance(result, bytes):
         return Response(result, media_type=JSON)
     return StreamingResponse(result, media_type="text/event-stream")
+
+
+@router.post("/s/{session_id}/v1/responses")
+async def session_responses(session_id: str, request: Request) -> Response:
+    return await _complete(request, session_id, "responses")
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    return await _complete(request, None, "responses")
 
 
 @router.post("/s/{session_id}/v1/chat/completions")

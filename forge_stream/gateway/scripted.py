@@ -7,7 +7,8 @@ with tools whose last message is not a tool result gets `tool_call` (if set), a 
 "arguments": {...}}</tool_call>` text answered as a tool call (finish_reason "tool_calls"). The logprob of token t
 is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
 each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
-`stop_reason`; plus `policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids.
+`stop_reason`; a last chunk with `usage` and no choices when `stream_options.include_usage` is set; plus
+`policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids.
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
 Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids]
@@ -99,11 +100,9 @@ class ScriptedEngine:
                                                       "top_logprobs": []} for t in ids]}
                             if body.get("logprobs") else None,
                             "token_ids": ids if ids_on else None})
-        completion_tokens = sum(len(o[1]) for o in outputs)
         return orjson.dumps({**head, "choices": choices, "prompt_token_ids": prompt if ids_on else None,
                              "policy_version": self.policy_version,
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                                       "total_tokens": len(prompt) + completion_tokens}})
+                             "usage": _usage(len(prompt), sum(len(o[1]) for o in outputs))})
 
     def _chat_stream(self, head, prompt, outputs, ids_on, body) -> list[bytes]:
         head = {**head, "object": "chat.completion.chunk", "policy_version": self.policy_version}
@@ -129,6 +128,8 @@ class ScriptedEngine:
                                               "top_logprobs": []}]} if body.get("logprobs") else None,
                     "finish_reason": ("tool_calls" if calls else finish) if last else None,
                     "token_ids": [t] if ids_on else None}]))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(chunk([], usage=_usage(len(prompt), sum(len(o[1]) for o in outputs))))
         events.append(b"data: [DONE]\n\n")
         return events
 
@@ -191,6 +192,11 @@ class ScriptedEngine:
             await send({"type": "http.response.body", "body": b""})
             return
         await _reply(send, 200, result)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _reply(send, status: int, body: bytes) -> None:

@@ -22,11 +22,14 @@ import orjson
 from forge_stream.events import new_event_id, now_ms
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
-    FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, invalid,
+    FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
 )
 from forge_stream.gateway.recording import (
     ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, completion_choices, completion_record, dumps,
     sampling_setting,
+)
+from forge_stream.gateway.responses import (
+    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
 )
 from forge_stream.gateway.sessions import Session, SessionStore
 from forge_stream.gateway.settings import GatewaySettings
@@ -84,6 +87,35 @@ def upstream_body(kind: Kind, body: dict) -> bytes:
     elif forwarded.get("logprobs") is None:
         forwarded["logprobs"] = 0
     return orjson.dumps(forwarded)
+
+
+def hidden_fields(kind: Kind, body: dict) -> tuple[bool, bool]:
+    """(logprobs, token ids): whether the gateway asked the engine for them only to record them, since the
+    client did not ask; those are taken out of what the client gets.
+
+    >>> hidden_fields("chat", {"logprobs": True}), hidden_fields("completion", {"logprobs": 0})
+    ((False, True), (False, True))
+    """
+    logprobs = not body.get("logprobs") if kind == "chat" else body.get("logprobs") is None
+    return logprobs, not body.get("return_token_ids")
+
+
+def for_client(data: dict, hide_logprobs: bool, hide_ids: bool) -> dict:
+    """An engine response (or stream chunk) without the logprobs and token ids the client did not ask for.
+
+    >>> for_client({"prompt_token_ids": [1], "choices": [{"text": "a", "token_ids": [2], "logprobs": {}}]},
+    ...            True, True)
+    {'choices': [{'text': 'a', 'logprobs': None}]}
+    """
+    if hide_ids:
+        data.pop("prompt_token_ids", None)
+    for choice in data.get("choices") or ():
+        if hide_logprobs and choice.get("logprobs") is not None:
+            choice["logprobs"] = None
+        if hide_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+    return data
 
 
 def _sse_data(event: bytes) -> bytes | None:
@@ -183,6 +215,7 @@ class GatewayService:
             raise
         session.status = "finished"
         session.pending.clear()
+        session.responses.clear()
         return [record["event_id"]]
 
     # ----- engines ---------------------------------------------------------------------------------------
@@ -243,17 +276,18 @@ class GatewayService:
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
             logprobs_mode=self.settings.engine_logprobs_mode)
         stream = bool(body.get("stream"))
+        hide = hidden_fields(kind, body)
         try:
             response, engine = await self._send(keys.group_id, "POST", PATHS[kind], upstream_body(kind, body))
             if not stream or response.status != 200:
                 content = await self._read(response, engine)
                 if response.status != 200:
-                    raise GatewayError(response.status, "engine error", "engine_error", raw=content)
+                    raise engine_error(response.status, content)
         except BaseException:
             session.restore(taken)
             raise
         if stream:
-            return self._relay(session, ctx, response, engine, n, spans, taken)
+            return self._relay(session, ctx, response, engine, n, spans, taken, hide)
         done = now_ms()
         data = orjson.loads(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
@@ -263,7 +297,7 @@ class GatewayService:
         except BaseException:
             session.restore(taken)
             raise
-        return content
+        return orjson.dumps(for_client(data, *hide)) if any(hide) else content
 
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
@@ -288,8 +322,10 @@ class GatewayService:
                                               completion_id=record["completion_id"], agent=ctx.agent))
 
     async def _relay(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
-                     engine: Engine, n: int, spans: list[dict], taken: list[PendingCall]) -> AsyncIterator[bytes]:
-        """Forward the engine's SSE events as they come; record, then send [DONE] (or an error event)."""
+                     engine: Engine, n: int, spans: list[dict], taken: list[PendingCall],
+                     hide: tuple[bool, bool]) -> AsyncIterator[bytes]:
+        """Forward the engine's SSE events as they come (without the fields in `hide`); record, then send
+        [DONE] (or an error event)."""
         acc = StreamAccumulator(ctx.kind, n)
         buffer, done, engine_error = b"", False, False
         try:
@@ -307,6 +343,8 @@ class GatewayService:
                             engine_error = True
                         else:
                             acc.feed(chunk, now_ms())
+                            if any(hide):
+                                event = b"data: " + orjson.dumps(for_client(chunk, *hide)) + b"\n\n"
                     yield event
                 if done:
                     break
@@ -332,3 +370,56 @@ class GatewayService:
             yield b"data: " + exc.body() + b"\n\n"
             return
         yield b"data: [DONE]\n\n"
+
+    # ----- Responses API -----------------------------------------------------------------------------------
+
+    async def respond(self, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
+        """Serve a Responses API request through the chat path (so it is recorded as chat); returns the Response
+        body, or its SSE event stream."""
+        session.require_open()
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        chat, added = to_chat(body, conversation(session.responses, previous))
+        response_id = "resp_" + new_event_id()
+        result = await self.complete(session, "chat", chat, agent)
+        store = body.get("store", True) is not False
+        if not isinstance(result, bytes):
+            return self._respond_stream(session, response_id, body, result, added, store)
+        data = orjson.loads(result)
+        choice = (data.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        if store:
+            session.responses[response_id] = StoredResponse(previous, added + [assistant_message(
+                message.get("content") or "", message.get("tool_calls"))])
+        return orjson.dumps(response_object(
+            response_id, body, data.get("model") or body.get("model") or "", status="completed",
+            output=output_items(response_id, message, choice.get("logprobs")), chat_usage=data.get("usage"),
+            finish_reason=choice.get("finish_reason")))
+
+    async def _respond_stream(self, session: Session, response_id: str, body: dict, chat: AsyncIterator[bytes],
+                              added: list[dict], store: bool) -> AsyncIterator[bytes]:
+        """The chat stream's chunks as Responses events; its [DONE] (sent once recorded) completes the response,
+        its error event fails it."""
+        events = EventStream(response_id, body)
+        for event in events.start():
+            yield event
+        try:
+            async for raw in chat:
+                data = _sse_data(raw)
+                if data == b"[DONE]":
+                    if store:
+                        session.responses[response_id] = StoredResponse(body.get("previous_response_id"),
+                                                                        added + [events.assistant()])
+                    for event in events.finish():
+                        yield event
+                    return
+                chunk = orjson.loads(data) if data else {}
+                if "error" in chunk:
+                    for event in events.fail(chunk["error"] or {}):
+                        yield event
+                    return
+                for event in events.feed(chunk):
+                    yield event
+            for event in events.fail({"message": "The chat stream ended early; nothing was recorded."}):
+                yield event
+        finally:
+            await chat.aclose()

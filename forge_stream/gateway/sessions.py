@@ -1,4 +1,5 @@
-"""Session state kept in the gateway process: open/finished, turn counter, pending tool calls, agent token.
+"""Session state kept in the gateway process: open/finished, turn counter, pending tool calls, agent token, and
+the Responses API's stored responses.
 
 It lives in memory: a restart loses the open sessions (their later calls get 404) and their pending tool calls
 (those spans are not inferred), but never an event already acknowledged, since those are in Kafka.
@@ -10,6 +11,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.responses import StoredResponse
 from forge_stream.gateway.spans import PendingCall, SessionKeys
 
 
@@ -24,6 +26,7 @@ class Session:
     pending: dict[str, PendingCall] = field(default_factory=dict)
     explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
     span_ids: set[str] = field(default_factory=set)  # distinct span ids of the ToolSpans recorded
+    responses: dict[str, StoredResponse] = field(default_factory=dict)  # Responses API: previous_response_id
 
     @property
     def id(self) -> str:

@@ -2,13 +2,13 @@
 
 import doctest
 
-from forge_stream.gateway import engines, spans
+from forge_stream.gateway import engines, responses, serving, spans
 from forge_stream.gateway.recording import StreamAccumulator
 from forge_stream.gateway.engines import EnginePool, choose, preference
 
 
 def test_doctests_hold():
-    for module in (engines, spans):
+    for module in (engines, spans, serving, responses):
         assert doctest.testmod(module).failed == 0
 
 

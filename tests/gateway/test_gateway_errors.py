@@ -1,6 +1,7 @@
 """Errors are OpenAI-style bodies with the right status; Kafka or engine trouble is 503 and records nothing."""
 
 import httpx
+import openai
 import pytest
 
 from forge_stream.gateway.app import create_app
@@ -35,7 +36,8 @@ def test_bad_requests_get_openai_errors(gateway_url, run_id):
     _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": "x"}), 422)
     for value in ("NaN", "Infinity", "-inf"):  # pydantic would read these strings as floats
         _error(httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/reward", json={"value": value}), 422)
-    _error(httpx.get(f"{gateway_url}/no/such/route"), 404)
+    assert _error(httpx.get(f"{gateway_url}/no/such/route"), 404)["message"].startswith(
+        "GET /no/such/route is not supported")
     big = {"messages": [{"role": "user", "content": "x" * 9_000_000}]}
     _error(httpx.post(f"{url}/chat/completions", json=big), 413)
     assert httpx.get(f"{url}/models").json()["data"][0]["id"] == "scripted"
@@ -98,6 +100,28 @@ def test_kafka_down_mid_session_answers_503_and_rolls_the_turn_back(kafka_bootst
     assert [r["turn"] for r in records] == [0]
 
 
+def test_kafka_down_fails_a_response_and_keeps_no_chain(kafka_bootstrap, switchable, run_id):
+    gateway, sink = switchable
+    session = open_session(gateway, run_id)
+    client = openai.OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    first = client.responses.create(model="scripted", input="hi")
+    sink.down = True
+    with pytest.raises(openai.APIStatusError) as whole:
+        client.responses.create(model="scripted", input="again", previous_response_id=first.id)
+    assert whole.value.status_code == 503
+    events = list(client.responses.create(model="scripted", input="again", stream=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].code == "503" and "Kafka did not acknowledge" in events[-2].message
+    assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    with pytest.raises(openai.BadRequestError) as unknown:  # the failed response was not kept
+        client.responses.create(model="scripted", input="x", previous_response_id=events[-1].response.id)
+    assert unknown.value.code == "previous_response_not_found"
+    sink.down = False
+    assert client.responses.create(model="scripted", input="again", previous_response_id=first.id).output_text
+    records = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == session["session_id"])
+    assert sorted(r["turn"] for r in records) == [0, 1]
+
+
 def test_auth_session_tokens_reach_only_their_session(make_gateway, scripted_url, run_id):
     with make_gateway(engines=(scripted_url,), admin_token=ADMIN) as gateway:
         _error(httpx.post(f"{gateway}/v1/sessions", json={"group_id": run_id, "task_id": "t"}), 401)
@@ -113,3 +137,14 @@ def test_auth_session_tokens_reach_only_their_session(make_gateway, scripted_url
         view = httpx.get(f"{gateway}/v1/sessions/{mine['session_id']}",
                          headers={"Authorization": f"Bearer {ADMIN}"}).json()
         assert view["turns"] == 2
+
+
+def test_unsupported_openai_routes_are_named_in_a_404(gateway_url, run_id):
+    session = open_session(gateway_url, run_id)
+    client = openai.OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as embeddings:
+        client.embeddings.create(model="scripted", input="hi")
+    path = f"/s/{session['session_id']}/v1/embeddings"
+    assert embeddings.value.body["message"] == (f"POST {path} is not supported by the forge-stream gateway (it serves "
+                                        "chat/completions, completions, responses and models).")
+    assert embeddings.value.body["type"] == "not_found_error"

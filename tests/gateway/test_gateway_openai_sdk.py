@@ -3,6 +3,7 @@ of the fake `vllm serve`; the Completion events read back from the real broker h
 
 
 import httpx
+import openai
 import orjson
 import pytest
 from openai import OpenAI
@@ -146,3 +147,27 @@ def test_sdk_through_the_gateway_to_fake_vllm(kafka_bootstrap, vllm_gateway, tok
     tool_record = next(r for r in records if r["tool_calls_json"])
     assert tool_record["finish_reason"] == "tool_calls"
     assert orjson.loads(tool_record["tool_calls_json"])[0]["function"]["name"] == "get_weather"
+
+
+def test_a_full_context_is_answered_as_openai_and_vllm_do(kafka_bootstrap, engine_gateway, run_id):
+    """Prompt plus max_tokens past the tiny model's 2048 positions: 400 context_length_exceeded, vLLM's words."""
+    session = open_session(engine_gateway, run_id)
+    client = _client(session)
+    model = client.models.list().data[0].id
+    long = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4000)
+    error = too_many.value
+    assert error.status_code == 400 and error.code == "context_length_exceeded"
+    assert error.body["message"].startswith(
+        "This model's maximum context length is 2048 tokens. However, you requested ")
+    assert "in the completion" in error.message and error.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.chat.completions.create(model=model, messages=long, stream=True)
+    assert long_prompt.value.code == "context_length_exceeded" and "in the messages" in long_prompt.value.message
+    with pytest.raises(openai.BadRequestError) as response:
+        client.responses.create(model=model, input=long[0]["content"])
+    assert response.value.code == "context_length_exceeded"
+    assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).choices
+    assert [r["turn"] for r in _records(kafka_bootstrap, session["session_id"])] == [0]

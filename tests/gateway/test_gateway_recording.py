@@ -183,3 +183,57 @@ def test_finish_reports_the_sessions_distinct_tool_spans(kafka_bootstrap, gatewa
     [finished] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
                   if r.get("status")]
     assert finished["num_tool_spans"] == 2
+
+
+def _choice_fields(data):
+    return [set(c) & {"token_ids", "prompt_token_ids"} for c in data["choices"]], "prompt_token_ids" in data
+
+
+def test_logprobs_and_token_ids_reach_the_client_only_when_asked(kafka_bootstrap, gateway_url, run_id):
+    """The gateway always asks the engine for them (to record them), and hands them on only if the client asked."""
+    session = open_session(gateway_url, run_id)
+    url, hi = session["base_url"], [{"role": "user", "content": "hi"}]
+    plain = _chat(url, hi)
+    assert _choice_fields(plain) == ([set()], False) and plain["choices"][0]["logprobs"] is None
+    with_logprobs = _chat(url, hi, logprobs=True)
+    assert _choice_fields(with_logprobs) == ([set()], False)
+    assert [e["logprob"] for e in with_logprobs["choices"][0]["logprobs"]["content"]] == [
+        logprob(t) for t in encode("Hello there, agent.") + [EOS]]
+    with_ids = _chat(url, hi, return_token_ids=True)
+    assert with_ids["choices"][0]["token_ids"] == encode("Hello there, agent.") + [EOS]
+    assert with_ids["prompt_token_ids"] == encode(render(hi, None)) and with_ids["choices"][0]["logprobs"] is None
+
+    chunks = []
+    with httpx.stream("POST", f"{url}/chat/completions", json={"messages": hi, "stream": True}) as response:
+        chunks = [orjson.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all(_choice_fields(c) == ([set()] * len(c["choices"]), False) for c in chunks)
+    assert all(choice["logprobs"] is None for c in chunks for choice in c["choices"])
+
+    completion = httpx.post(f"{url}/completions", json={"prompt": "one", "max_tokens": 3}).json()
+    assert _choice_fields(completion) == ([set()], False) and completion["choices"][0]["logprobs"] is None
+    asked = httpx.post(f"{url}/completions", json={"prompt": "one", "max_tokens": 3, "logprobs": 0}).json()
+    assert asked["choices"][0]["logprobs"]["token_logprobs"] == [logprob(t) for t in encode("Hel")]
+
+    records = _completions(kafka_bootstrap, session["session_id"])
+    assert len(records) == 6 and all(r["trainable"] for r in records)
+
+
+def test_streamed_usage_comes_last_when_asked_as_vllm_sends_it(kafka_bootstrap, gateway_url, run_id):
+    from openai import OpenAI
+
+    session = open_session(gateway_url, run_id)
+    client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "count"}]
+    chunks = list(client.chat.completions.create(model="scripted", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}))
+    *tokens, last = chunks
+    assert last.choices == [] and all(c.usage is None and c.choices for c in tokens)
+    prompt = len(encode(render(messages, None)))
+    completion = len(encode("Hello there, agent.")) + 1
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        prompt, completion, prompt + completion)
+    without = list(client.chat.completions.create(model="scripted", messages=messages, stream=True))
+    assert all(c.choices and c.usage is None for c in without)
+    [record, _] = _completions(kafka_bootstrap, session["session_id"])
+    assert len(record["prompt_token_ids"]) == prompt and len(record["completion_token_ids"]) == completion
