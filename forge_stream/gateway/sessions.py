@@ -6,6 +6,7 @@ It lives in memory: a restart loses the open sessions (their later calls get 404
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class Session:
     pending: dict[str, PendingCall] = field(default_factory=dict)
     explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
     span_ids: set[str] = field(default_factory=set)  # distinct span ids of the ToolSpans recorded
+    recording: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a turn's events are written
 
     @property
     def id(self) -> str:
