@@ -3,6 +3,10 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `POST /v1/admin/load_weights`. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`;
 invalid requests are 400 (as vLLM), not FastAPI's 422.
+
+The generation routes read their own bodies under the engine's limits (size while reading, JSON depth), and
+parse, validate and tokenize them on the engine's preparing thread, so a large request never stalls the event
+loop (health checks, other requests' streams).
 """
 
 import asyncio
@@ -13,6 +17,9 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from forge_stream import httpbody
 
 from forge_stream.engine.policy_watch import watch_policy
 from forge_stream.engine.serving import EngineRequestError, EngineService
@@ -42,14 +49,29 @@ def _respond(result):
     return JSONResponse(result.model_dump())
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return _respond(await request.app.state.chat.create(body))
+def _validated(raw: bytes, model: type[BaseModel], max_depth: int):
+    try:
+        return model.model_validate(httpbody.parse_json(raw, max_depth))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise EngineRequestError(f"{first['msg']}: {'.'.join(str(p) for p in first['loc'])}",
+                                 param=".".join(str(p) for p in first["loc"]) or None) from exc
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    return _respond(await request.app.state.completion.create(body))
+async def _body(request: Request, model: type[BaseModel]):
+    engine = _engine(request)
+    raw = await httpbody.read_body(request, engine.settings.max_request_bytes)
+    return await engine.off_loop(_validated, raw, model, engine.settings.max_json_depth)
+
+
+@router.post("/v1/chat/completions", openapi_extra=httpbody.openapi_body(ChatCompletionRequest))
+async def chat_completions(request: Request):
+    return _respond(await request.app.state.chat.create(await _body(request, ChatCompletionRequest)))
+
+
+@router.post("/v1/completions", openapi_extra=httpbody.openapi_body(CompletionRequest))
+async def completions(request: Request):
+    return _respond(await request.app.state.completion.create(await _body(request, CompletionRequest)))
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -101,6 +123,10 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
         if exc.status == 404:
             kind = "NotFoundError"
         return _error(exc.status, exc.message, kind, exc.param)
+
+    @app.exception_handler(httpbody.BodyRejected)
+    async def _body_rejected(_: Request, exc: httpbody.BodyRejected) -> JSONResponse:
+        return _error(exc.status, exc.message, "BadRequestError", exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -15,6 +15,9 @@ from typing import Literal
 import torch
 
 LogprobsMode = Literal["raw", "processed"]
+# A positive temperature below this is refused: float32 logits divided by it overflow to inf, and softmax gives
+# NaN. (0 means greedy decoding.)
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,14 @@ def make_generator(seed: int | None, choice_index: int) -> torch.Generator:
 
 
 def _top_p_filter(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches top_p (always at least one)."""
+    """Keep the smallest set of tokens whose probability mass reaches top_p (always at least the most likely one,
+    however small top_p is)."""
     sorted_logits, order = torch.sort(scaled, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    drop = mass_before >= top_p
+    drop[..., 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 

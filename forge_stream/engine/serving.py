@@ -6,15 +6,17 @@ endpoint and a forge.policy watcher call to move to new weights.
 """
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from forge_stream.engine.sampling import SamplingParams
+from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.engine.settings import EngineSettings
 from forge_stream.openai_protocol import (
@@ -68,6 +70,21 @@ class EngineService:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self._reload_lock = asyncio.Lock()
+        # one thread parses and tokenizes requests, so a large one never stalls the event loop (health, streams)
+        self._prepare = ThreadPoolExecutor(1, thread_name_prefix="engine-prepare")
+
+    async def off_loop(self, fn: Callable, *args):
+        """`fn(*args)` on the engine's request-preparing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, fn, *args)
+
+    def check_choices(self, n: int, prompts: int) -> None:
+        if n < 1:
+            raise EngineRequestError("n must be at least 1.", param="n")
+        if n * prompts > self.settings.max_choices:
+            raise EngineRequestError(
+                f"This request asks for {n * prompts} choices ({prompts} prompt(s) x n={n}); this engine allows at "
+                f"most {self.settings.max_choices} per request: split it into several requests.",
+                param="n" if prompts == 1 else "prompt")
 
     @classmethod
     def load(cls, settings: EngineSettings) -> "EngineService":
@@ -162,8 +179,9 @@ class EngineService:
             raise EngineRequestError("max_tokens must be at least 1.", param="max_tokens")
         temperature = 1.0 if temperature is None else temperature
         top_p = 1.0 if top_p is None else top_p
-        if temperature < 0:
-            raise EngineRequestError("temperature must be non-negative.", param="temperature")
+        if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+            raise EngineRequestError(f"temperature must be 0 (greedy) or a finite number of at least "
+                                     f"{MIN_TEMPERATURE}.", param="temperature")
         if not 0.0 < top_p <= 1.0:
             raise EngineRequestError("top_p must be in (0, 1].", param="top_p")
         if top_logprobs < 0:

@@ -63,16 +63,15 @@ class ChatServing:
         return tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        prompt_ids = self.prompt_ids(request)
+        n = 1 if request.n is None else request.n
+        self.engine.check_choices(n, 1)
+        prompt_ids = await self.engine.off_loop(self.prompt_ids, request)
         params = self.engine.sampling_params(
             max_tokens=request.max_completion_tokens or request.max_tokens, prompt_len=len(prompt_ids),
             temperature=request.temperature, top_p=request.top_p, stop=request.stop, seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output)
-        n = request.n or 1
-        if n < 1:
-            raise EngineRequestError("n must be at least 1.", param="n")
         if request.stream:
             return self._stream(request, prompt_ids, params, n)
         version, results = await self.engine.collect(prompt_ids, params, n)

@@ -60,9 +60,10 @@ class CompletionServing:
     async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         if request.echo:
             raise EngineRequestError("echo is not supported.", param="echo")
-        if request.n < 1:
-            raise EngineRequestError("n must be at least 1.", param="n")
-        prompts = self.prompts(request)
+        prompt = request.prompt
+        self.engine.check_choices(request.n, 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+                                  else len(prompt))
+        prompts = await self.engine.off_loop(self.prompts, request)
         params = [self._params(request, len(p)) for p in prompts]
         if request.stream:
             return self._stream(request, prompts, params)

@@ -1,5 +1,8 @@
 """Builds the gateway's FastAPI app: its service in `app.state`, its Kafka producer and engine client for the
-app's lifespan, and OpenAI-style error bodies for every error (including FastAPI's own 404/405/422/500)."""
+app's lifespan, and OpenAI-style error bodies for every error (including FastAPI's own 404/405/422/500).
+
+An unexpected error is answered 500 by `_ContainErrors`, which keeps the client's keep-alive connection usable
+(Starlette's own last-resort handler re-raises, and uvicorn then drops the connection)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from forge_stream.gateway.protocol import GatewayError, error_body
+from forge_stream.httpbody import BodyRejected
 from forge_stream.gateway.router import router
 from forge_stream.gateway.serving import EventSink, GatewayService
 from forge_stream.gateway.settings import GatewaySettings
@@ -27,6 +31,31 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
     return Response(error_body(status, message, _KINDS.get(status, "server_error"), param), status_code=status,
                     media_type="application/json", headers=headers)
+
+
+class _ContainErrors:
+    """ASGI middleware: an exception raised before the response started becomes a 500 error body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("gateway error")
+            await _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> FastAPI:
@@ -53,11 +82,16 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
 
     app = FastAPI(title="forge-stream gateway", lifespan=lifespan)
     app.include_router(router)
+    app.add_middleware(_ContainErrors)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
         return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
+
+    @app.exception_handler(BodyRejected)
+    async def _body_rejected(_: Request, exc: BodyRejected) -> Response:
+        return _error(exc.status, exc.message, exc.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -70,10 +104,5 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
     async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         return _error(422, str(first.get("msg", exc)), ".".join(str(p) for p in first.get("loc", ())) or None)
-
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> Response:
-        log.exception("gateway error")
-        return _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")
 
     return app

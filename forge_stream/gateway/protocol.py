@@ -79,7 +79,7 @@ class RewardIn(_Model):
     kind: str = "outcome"
     name: str = "grader"
     source: str = "grader"
-    turn: int | None = None
+    turn: int | None = Field(None, ge=0, lt=2**31)  # Avro int
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
@@ -89,8 +89,8 @@ class SpanIn(_Model):
     arguments: Any = None  # JSON text or a JSON value
     status: Literal["ok", "error"] = "ok"
     error: str | None = None
-    start_ms: int
-    end_ms: int
+    start_ms: int = Field(ge=0, lt=2**63)  # Avro long, epoch milliseconds
+    end_ms: int = Field(ge=0, lt=2**63)
     completion_id: str | None = None
     agent: str | None = None
 
@@ -118,3 +118,29 @@ class SessionView(_Model):
     turns: int
     completions: int
     pending_tool_calls: list[str]
+
+
+# JSON schemas of the OpenAI requests, as far as the gateway checks them (serving.check_request), for the OpenAPI
+# document; the other fields of OpenAI's requests are forwarded to the engine unchecked.
+_SAMPLING = {
+    "model": {"type": "string"},
+    "n": {"type": "integer", "minimum": 1},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "stream": {"type": "boolean"},
+}
+CHAT = {"type": "object", "required": ["messages"], "properties": {
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string"}, "content": {"type": ["string", "null"]},
+                       "tool_call_id": {"type": "string"}}}},
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    **_SAMPLING}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
+    "prompt": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
+                         {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                         {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
+    **_SAMPLING}}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hmac
 
-import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from forge_stream import httpbody
 from forge_stream.gateway.protocol import (
-    FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
+    CHAT, COMPLETION, FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
 )
 from forge_stream.gateway.serving import GatewayService
 from forge_stream.gateway.sessions import Session
@@ -30,26 +30,14 @@ def _service(request: Request) -> GatewayService:
     return request.app.state.gateway
 
 
-async def read_json(request: Request, limit: int):
-    """The body as JSON: 413 past `limit` bytes (checked while reading), 400 if it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(413, f"Request body of {declared} bytes is over the limit of {limit} bytes.",
-                           "invalid_request_error")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"Request body is over the limit of {limit} bytes.", "invalid_request_error")
-        chunks.append(chunk)
-    try:
-        return orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, f"The request body is not valid JSON: {exc}", "invalid_request_error") from exc
+async def read_json(request: Request):
+    """The body as JSON under the gateway's size and depth limits (413, 400)."""
+    settings = _service(request).settings
+    return await httpbody.read_json(request, settings.max_request_bytes, settings.max_json_depth)
 
 
 async def read_model(request: Request, model: type[BaseModel]):
-    body = await read_json(request, _service(request).settings.max_request_bytes)
+    body = await read_json(request)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -60,7 +48,7 @@ async def read_model(request: Request, model: type[BaseModel]):
 
 def _bearer(request: Request) -> str | None:
     header = request.headers.get("authorization")
-    if header and header[:7].lower() == "bearer ":
+    if header and header[:7].lower() == "bearer " and header.isascii():  # tokens are ASCII; others match none
         return header[7:].strip()
     return None
 
@@ -106,7 +94,7 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
     """An agent's OpenAI call: `kind` is chat, completion or responses."""
     session = agent_session(request, session_id)
     service = _service(request)
-    body = await read_json(request, service.settings.max_request_bytes)
+    body = await read_json(request)
     agent = request.headers.get("x-forge-agent", "")
     if kind == "responses":
         result = await service.respond(session, body, agent)
@@ -127,22 +115,22 @@ async def responses(request: Request) -> Response:
     return await _complete(request, None, "responses")
 
 
-@router.post("/s/{session_id}/v1/chat/completions")
+@router.post("/s/{session_id}/v1/chat/completions", openapi_extra=httpbody.openapi_body(CHAT))
 async def session_chat(session_id: str, request: Request) -> Response:
     return await _complete(request, session_id, "chat")
 
 
-@router.post("/s/{session_id}/v1/completions")
+@router.post("/s/{session_id}/v1/completions", openapi_extra=httpbody.openapi_body(COMPLETION))
 async def session_completions(session_id: str, request: Request) -> Response:
     return await _complete(request, session_id, "completion")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=httpbody.openapi_body(CHAT))
 async def chat(request: Request) -> Response:
     return await _complete(request, None, "chat")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=httpbody.openapi_body(COMPLETION))
 async def completions(request: Request) -> Response:
     return await _complete(request, None, "completion")
 
@@ -174,7 +162,7 @@ async def health(request: Request) -> dict:
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 
-@router.post("/v1/sessions", status_code=201)
+@router.post("/v1/sessions", status_code=201, openapi_extra=httpbody.openapi_body(SessionCreate))
 async def open_session(request: Request) -> Response:
     require_admin(request)
     created = await _service(request).open_session(await read_model(request, SessionCreate), str(request.base_url))
@@ -187,21 +175,21 @@ async def get_session(session_id: str, request: Request) -> Response:
     return Response(_service(request).view(session).model_dump_json(), media_type=JSON)
 
 
-@router.post("/v1/sessions/{session_id}/reward")
+@router.post("/v1/sessions/{session_id}/reward", openapi_extra=httpbody.openapi_body(RewardIn))
 async def reward(session_id: str, request: Request) -> Response:
     session = _admin_session(request, session_id)
     ids = await _service(request).reward(session, await read_model(request, RewardIn))
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
 
 
-@router.post("/v1/sessions/{session_id}/spans")
+@router.post("/v1/sessions/{session_id}/spans", openapi_extra=httpbody.openapi_body(SpansIn))
 async def spans(session_id: str, request: Request) -> Response:
     session = agent_session(request, session_id)
     ids = await _service(request).post_spans(session, await read_model(request, SpansIn))
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
 
 
-@router.post("/v1/sessions/{session_id}/finish")
+@router.post("/v1/sessions/{session_id}/finish", openapi_extra=httpbody.openapi_body(FinishIn))
 async def finish(session_id: str, request: Request) -> Response:
     session = _admin_session(request, session_id)
     ids = await _service(request).finish(session, await read_model(request, FinishIn))

@@ -3,7 +3,12 @@
 A caller's answer always waits for Kafka: a completion's body (or a stream's final `data: [DONE]`) is sent only
 after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
-session's state (turn counter, pending tool calls) is rolled back.
+session's state (turn counter, pending tool calls) is rolled back. A session's completions are written one
+request at a time, so its turn numbers stay 0, 1, 2... in the order they were recorded, even when concurrent
+requests of the session fail.
+
+Limits (GatewaySettings) are checked before a request reaches an engine or Kafka: a body's size and JSON depth
+(forge_stream.httpbody), identifiers (`check_id`), and OpenAI requests (`check_request`); each answers 4xx.
 
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
 (inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
@@ -13,11 +18,14 @@ wait for them.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol
 
 import aiohttp
 import orjson
+from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import new_event_id, now_ms
 from forge_stream.gateway.engines import Engine, EnginePool
@@ -48,31 +56,93 @@ class EventSink(Protocol):
     def send(self, topic: Topic, key: str, record: dict, schema: str | None = None) -> Awaitable[int]: ...
 
 
-def check_request(kind: Kind, body) -> int:
-    """Check what the gateway relies on in an OpenAI request body; returns n."""
+SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]*")  # one URL path segment, never "." or ".."
+
+
+def check_id(value: str, param: str, max_length: int, *, path_segment: bool = False) -> None:
+    """An identifier recorded in events (and, for session ids, put in URLs): 1 to `max_length` printable
+    characters; a session id only letters, digits and `_-.:`, not starting with a dot."""
+    if not 0 < len(value) <= max_length:
+        raise invalid(f"'{param}' must be 1 to {max_length} characters long.", param)
+    if path_segment and not SESSION_ID.fullmatch(value):
+        raise invalid(f"'{param}' may contain only letters, digits and '_', '-', '.', ':' and may not start with "
+                      f"a dot.", param)
+    if not value.isprintable():
+        raise invalid(f"'{param}' may not contain control characters (CR, LF, tab...).", param)
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"'{name}' must be a finite number.", name)
+    return value
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+
+
+def _prompt_count(prompt) -> int:
+    """The number of prompts in a completions `prompt` (a string, token ids, or a list of either)."""
+    if isinstance(prompt, str) and prompt:
+        return 1
+    if _is_token_ids(prompt):
+        return 1
+    if isinstance(prompt, list) and prompt and all(
+            (isinstance(p, str) and p) or _is_token_ids(p) for p in prompt):
+        return len(prompt)
+    raise invalid("'prompt' must be a non-empty string, a list of token ids (integers from 0), or a non-empty "
+                  "list of either.", "prompt")
+
+
+def _check_messages(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of messages.", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a string 'role'.", f"messages.{i}")
+        if not isinstance(message.get("tool_call_id", ""), (str, type(None))):
+            raise invalid(f"messages[{i}].tool_call_id must be a string.", f"messages.{i}.tool_call_id")
+        if not isinstance(message.get("tool_calls", []), (list, type(None))):
+            raise invalid(f"messages[{i}].tool_calls must be a list.", f"messages.{i}.tool_calls")
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise invalid("'tools' must be a list.", "tools")
+
+
+def check_request(kind: Kind, body, limits: GatewaySettings) -> int:
+    """Check an OpenAI request body against what the gateway relies on and its limits; returns n."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise invalid("'messages' must be a non-empty list of messages.", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise invalid(f"messages[{i}] must be an object with a string 'role'.", f"messages.{i}")
-        if body.get("tools") is not None and not isinstance(body["tools"], list):
-            raise invalid("'tools' must be a list.", "tools")
+        _check_messages(body)
+        prompts = 1
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise invalid("'prompt' must be a string, a list of strings or a list of token ids.", "prompt")
+        prompts = _prompt_count(body.get("prompt"))
     n = body.get("n")
     n = 1 if n is None else n
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-        raise invalid("'n' must be an integer from 1 to 128.", "n")
-    for name in ("temperature", "top_p"):
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise invalid("'n' must be a positive integer.", "n")
+    if n * prompts > limits.max_choices:
+        raise invalid(f"This request asks for {n * prompts} choices ({prompts} prompt(s) x n={n}); the gateway "
+                      f"allows at most {limits.max_choices} per request: split it into several requests.",
+                      "n" if prompts == 1 else "prompt")
+    for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise invalid(f"'{name}' must be a number.", name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= limits.max_tokens):
+            raise invalid(f"'{name}' must be an integer from 1 to {limits.max_tokens}.", name)
+    temperature = _number(body, "temperature")
+    if temperature is not None and temperature != 0 and not (
+            limits.min_temperature <= temperature <= limits.max_temperature):
+        raise invalid(f"'temperature' must be 0 (greedy) or from {limits.min_temperature} to "
+                      f"{limits.max_temperature}.", "temperature")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid("'top_p' must be greater than 0 and at most 1.", "top_p")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise invalid("'stream' must be a boolean.", "stream")
     return n
@@ -146,8 +216,14 @@ class GatewayService:
             except BufferError as exc:  # librdkafka's local queue is full: Kafka is not keeping up
                 error = exc
                 break
+            except KafkaException as exc:  # refused before sending: too large, or the producer is broken
+                error = exc
+                break
         timeout = self.settings.ack_timeout_ms / 1000 + 5
         results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
+        if isinstance(error, KafkaException) and error.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            raise GatewayError(413, f"This request's {topic.name} event is larger than Kafka accepts; send less "
+                                    f"(shorter metadata, tool arguments or prompts).", "invalid_request_error")
         error = error or next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             raise self.unavailable(f"Kafka did not acknowledge the events, so nothing was recorded: {error}")
@@ -155,6 +231,13 @@ class GatewayService:
     # ----- sessions --------------------------------------------------------------------------------------
 
     async def open_session(self, request: SessionCreate, public_base: str) -> SessionCreated:
+        limit = self.settings.max_id_length
+        check_id(request.group_id, "group_id", limit)
+        check_id(request.task_id, "task_id", limit)
+        for key in request.metadata:
+            check_id(key, "metadata", limit)
+        if request.session_id is not None:
+            check_id(request.session_id, "session_id", limit, path_segment=True)
         session_id = request.session_id or new_event_id()
         if session_id in self.sessions:
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
@@ -175,6 +258,7 @@ class GatewayService:
                            pending_tool_calls=sorted(session.pending))
 
     async def reward(self, session: Session, reward: RewardIn) -> list[str]:
+        session.require_open()
         keys = session.keys
         record = {"event_id": new_event_id(), "event_time": now_ms(), "group_id": keys.group_id,
                   "task_id": keys.task_id, "session_id": keys.session_id, **reward.model_dump()}
@@ -262,7 +346,9 @@ class GatewayService:
         """Forward one OpenAI request of `session`; returns the response body, or an SSE byte stream."""
         received = now_ms()
         session.require_open()
-        n = check_request(kind, body)
+        n = check_request(kind, body, self.settings)
+        if len(agent) > self.settings.max_id_length:
+            raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.", "X-Forge-Agent")
         answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
         session.take_answered([call for call, _ in answered])
         spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
@@ -302,19 +388,16 @@ class GatewayService:
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
                       spans: list[dict]) -> None:
-        turn = session.turns
-        session.turns += 1
         version = self.settings.default_policy_version if policy_version is None else policy_version
-        records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url, policy_version=version,
-                                     first_token_ms=first_token_ms, done_ms=done) for c in choices]
         group = ctx.group_id
-        try:
+        async with session.recording:  # one turn at a time: a failed write gives its turn number back
+            turn = session.turns
+            records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
+                                         policy_version=version, first_token_ms=first_token_ms, done_ms=done)
+                       for c in choices]
             await self.publish([(TOPICS.completions, group, r, None) for r in records]
                                + [(TOPICS.tool_spans, group, s, None) for s in spans])
-        except BaseException:
-            if session.turns == turn + 1:
-                session.turns = turn
-            raise
+            session.turns = turn + 1
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):

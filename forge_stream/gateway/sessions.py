@@ -7,6 +7,7 @@ It lives in memory: a restart loses the open sessions (their later calls get 404
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class Session:
     explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
     span_ids: set[str] = field(default_factory=set)  # distinct span ids of the ToolSpans recorded
     responses: dict[str, StoredResponse] = field(default_factory=dict)  # Responses API: previous_response_id
+    recording: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a turn's events are written
 
     @property
     def id(self) -> str:

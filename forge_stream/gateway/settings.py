@@ -19,7 +19,14 @@ class GatewaySettings:
     port: int = 8000
     public_url: str | None = None  # base of the URLs handed to agents; default: the URL the caller used
     admin_token: str | None = None
-    max_request_bytes: int = 8 * 1024 * 1024
+    # Limits, checked before a request reaches an engine or Kafka (past one: 4xx saying what to change)
+    max_request_bytes: int = 8 * 1024 * 1024  # a body's size (413), checked while it is read
+    max_json_depth: int = 64  # nesting of a body's JSON objects/arrays (e.g. tool parameter schemas)
+    max_choices: int = 128  # choices one request asks for: n times the number of prompts
+    max_tokens: int = 131_072  # max_tokens / max_completion_tokens (the engine checks its model's context)
+    min_temperature: float = 0.01  # a positive temperature below it is refused (use 0 for greedy decoding)
+    max_temperature: float = 2.0
+    max_id_length: int = 256  # session, group and task ids, agent names, metadata keys
     engine_timeout_s: float = 600.0
     engine_connections: int = 512
     max_queue: int = 32  # in-flight requests on a group's engine before its requests go elsewhere

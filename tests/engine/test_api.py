@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -142,3 +144,49 @@ def test_bad_requests_get_openai_errors(engine_url):
     assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
     missing = httpx.post(f"{engine_url}/v1/admin/load_weights", json={"path": "/nonexistent", "version": 3})
     assert missing.status_code == 404
+
+
+def test_hostile_requests_are_400_before_they_run(engine_url):
+    """Sampling edge values, deep nesting and oversized prompt counts are refused with OpenAI errors (no 5xx), and
+    the connection keeps serving."""
+    deep = b'{"type": "object", "properties": {"x": ' * 1000 + b"{}" + b"}}" * 1000
+    tools = b'[{"type": "function", "function": {"name": "f", "parameters": ' + deep + b"}}]"
+    with httpx.Client(base_url=engine_url, timeout=60) as client:
+        cases = [
+            ({"prompt": "hi", "max_tokens": 2, "temperature": 1e-320}, "temperature"),
+            ({"prompt": "hi", "max_tokens": 2, "top_p": 0}, "top_p"),
+            ({"prompt": ["hi"] * 2000, "max_tokens": 1}, "prompt"),
+            ({"prompt": "hi", "max_tokens": 1, "n": 1000}, "n"),
+        ]
+        for body, param in cases:
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        nested = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "hi"}], '
+                                                             b'"tools": ' + tools + b"}",
+                             headers={"content-type": "application/json"})
+        assert nested.status_code == 400, nested.text
+        tiny_p = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "top_p": 1e-320, "seed": 1})
+        assert tiny_p.status_code == 200, tiny_p.text
+        assert client.get("/health").status_code == 200
+
+
+def test_a_large_body_does_not_block_health(engine_url):
+    """A 7.9 MB prompt is parsed and tokenized off the event loop (then refused: longer than the context)."""
+    body = {"prompt": "word " * 1_580_000, "max_tokens": 1}
+    result = {}
+
+    def post():
+        result["big"] = httpx.post(f"{engine_url}/v1/completions", json=body, timeout=120)
+
+    sender = threading.Thread(target=post)
+    sender.start()
+    time.sleep(0.3)
+    slowest = 0.0
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{engine_url}/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.05)
+    sender.join()
+    assert result["big"].status_code == 400 and result["big"].json()["error"]["param"] == "max_tokens"
+    assert slowest < 2.0  # before: blocked for the whole parse and tokenization (7 s to over a minute)

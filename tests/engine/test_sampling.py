@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from forge_stream.engine.sampling import SamplingParams, _top_p_filter, choose, make_generator
+from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams, _top_p_filter, choose, make_generator
 
 
 def test_top_p_keeps_the_smallest_nucleus():
@@ -53,3 +53,17 @@ def test_default_logprobs_are_those_of_the_sampled_distribution():
     want = torch.log_softmax(logits / 0.5, -1)[picked.token_id].item()
     assert math.isclose(picked.logprob, want, rel_tol=1e-6)
     assert not math.isclose(picked.logprob, torch.log_softmax(logits, -1)[picked.token_id].item(), rel_tol=1e-3)
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    logits = torch.tensor([0.1, 3.0, -1.0])
+    for top_p in (1e-320, 5e-324, 1e-30):
+        picked = choose(logits, SamplingParams(max_tokens=1, top_p=top_p, seed=0), make_generator(0, 0))
+        assert picked.token_id == 1 and math.isfinite(picked.logprob)
+
+
+def test_temperature_edges_sample_finite_logprobs():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 30
+    for temperature in (MIN_TEMPERATURE, 1e6, 1e300):
+        picked = choose(logits, SamplingParams(max_tokens=1, temperature=temperature), make_generator(0, 0))
+        assert math.isfinite(picked.logprob)
