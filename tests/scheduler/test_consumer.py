@@ -129,14 +129,20 @@ def _start_child(bootstrap, run, total, batch, *mode):
     return subprocess.Popen([sys.executable, str(CHILD), bootstrap, run, str(total), str(batch), *mode], env=env)
 
 
-@pytest.mark.parametrize("kill", ["external", "after-publish"])
+@pytest.mark.parametrize("kill", ["external", "after-publish", "external-with-garbage"])
 def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(kafka_bootstrap, run_id, kill):
     total, batch = 24, 4
     settings = settings_for(kafka_bootstrap, run_id, batch_size=batch)
     finish_order = list(range(total))
     random.Random(run_id).shuffle(finish_order)
     produce(kafka_bootstrap, [task(run_id, s) for s in range(total)], [sample(run_id, s) for s in finish_order])
-    if kill == "external":
+    if kill == "external-with-garbage":  # undecodable records behind groups of every partition, both topics
+        producer = EventProducer(kafka_bootstrap)
+        for s in range(0, total, 3):
+            for topic in (TOPICS.tasks, TOPICS.samples):
+                producer.produce_raw(topic.name, group_id(run_id, s).encode(), b"not avro")
+        producer.close()
+    if kill.startswith("external"):
         child = _start_child(kafka_bootstrap, run_id, total, batch)
         deadline = time.monotonic() + 60
         while len(trained_groups(kafka_bootstrap, run_id)) < 2 * batch and time.monotonic() < deadline:
