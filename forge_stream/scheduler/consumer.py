@@ -248,9 +248,11 @@ class WindowedConsumer:
             self._reject(task, f"invalid Task: {exc}")
             self.skipped.append(task.record["group_id"])
             return
-        seq = task.record["seq"]
+        group, seq = task.record["group_id"], task.record["seq"]
+        if group in self._seq_of:  # a group is queued once, at the seq it was first read with
+            return
         self._tasks.setdefault(seq, task)
-        self._seq_of.setdefault(task.record["group_id"], seq)
+        self._seq_of[group] = seq
         self._core.submit(seq)
 
     def _finish(self, sample: Event) -> None:
