@@ -1,11 +1,13 @@
 """A Parquet sink: consumes reward and trajectory streams and writes them as Parquet files for offline analysis.
 
 Records are flattened to one row per event (nested lists and records as JSON strings), buffered, and written as
-one file per flush under `<out>/<topic>/part-<first offset>-<last offset>.parquet`, named by the offsets it holds,
-so a re-run after a crash overwrites the same files instead of duplicating rows. Offsets are committed only after
-the file is on disk.
+one file per partition and flush under `<out>/<topic>/part-<partition>-<first offset>.parquet`. The name depends
+only on where the file starts, and a file holds its partition's rows from the committed offset on, so a re-run
+after a crash (the file was written, its offsets not committed) writes a file of the same name, whatever its
+flush timing, and replaces the old one instead of duplicating its rows. A file appears whole or not at all (written aside, then
+renamed). Offsets are committed only after the files are on disk, and a dead letter's offset only with the rows
+before it: a record that cannot be decoded never commits past buffered rows.
 """
-
 from __future__ import annotations
 
 import json
@@ -40,31 +42,48 @@ class ParquetSink:
     def __init__(self, settings: ParquetSinkSettings):
         self.settings = settings
         topics: list[Topic] = [TOPICS.by_name(name) for name in settings.topics]
-        self.consumer = DecodingConsumer(settings.bootstrap, settings.group_id, topics, name="parquet-sink")
+        self.consumer = DecodingConsumer(settings.bootstrap, settings.group_id, topics, name="parquet-sink",
+                                         on_dead_letter=self._passed)
         self.buffers: dict[tuple[str, int], list[Event]] = {}
         self.files_written: list[Path] = []
+        self._next: dict[tuple[str, int], int] = {}  # per partition: the offset after the last record read
+        self._committed: dict[tuple[str, int], int] = {}
+
+    def poll(self, timeout: float) -> bool:
+        """Buffer at most one event; False when none arrived."""
+        event = self.consumer.poll(timeout)
+        if event is None:
+            return False
+        self.buffers.setdefault((event.topic, event.partition), []).append(event)
+        self._passed(event.topic, event.partition, event.offset)
+        return True
 
     def flush(self) -> None:
+        """Write each partition's buffer as one file, then commit what was read (rows and dead letters)."""
         for (topic, partition), events in self.buffers.items():
             if not events:
                 continue
             folder = self.settings.out_dir / topic
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"part-{partition}-{events[0].offset:012d}-{events[-1].offset:012d}.parquet"
-            pq.write_table(pa.Table.from_pylist([flatten(e) for e in events]), path)
-            self.files_written.append(path)
-            self.consumer.commit(events[-1])
+            name = f"part-{partition}-{events[0].offset:012d}.parquet"
+            tmp = folder / f".{name}.tmp"  # dot files are invisible to Parquet dataset readers
+            pq.write_table(pa.Table.from_pylist([flatten(e) for e in events]), tmp)
+            tmp.replace(folder / name)
+            self.files_written.append(folder / name)
         self.buffers.clear()
+        due = {tp: offset for tp, offset in self._next.items() if offset > self._committed.get(tp, -1)}
+        if due:
+            self.consumer.commit(due)
+            self._committed.update(due)
 
     def run(self, max_seconds: float | None = None, idle_exit_seconds: float | None = None) -> int:
         """Consume and write until stopped (or a time limit / idle period, for batch use); returns rows written."""
         start = last_flush = last_event = time.monotonic()
         rows = 0
         while max_seconds is None or time.monotonic() - start < max_seconds:
-            event = self.consumer.poll(0.5)
+            got = self.poll(0.5)
             now = time.monotonic()
-            if event is not None:
-                self.buffers.setdefault((event.topic, event.partition), []).append(event)
+            if got:
                 rows += 1
                 last_event = now
             buffered = sum(map(len, self.buffers.values()))
@@ -76,3 +95,6 @@ class ParquetSink:
         self.flush()
         self.consumer.close()
         return rows
+
+    def _passed(self, topic: str, partition: int, offset: int) -> None:
+        self._next[(topic, partition)] = offset + 1

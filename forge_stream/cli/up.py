@@ -56,7 +56,10 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
         topics.add_row(name, str(t["partitions"]), str(t["messages"]))
     groups = Table("consumer group", "lag")
     for name, g in result["consumer_groups"].items():
-        groups.add_row(name, str(g["lag"]))
+        lag = "no commits" if g["lag"] is None else str(g["lag"])
+        if g["uncommitted"]:
+            lag += f" ({len(g['uncommitted'])} partitions never committed)"
+        groups.add_row(name, lag)
     services = Table("service", "running", "healthy", "url", "pid")
     for name, s in result["services"].items():
         services.add_row(name, str(s["running"]), str(s["healthy"]), s["url"] or "", str(s["pid"]))

@@ -43,16 +43,27 @@ def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: fl
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    return {p: high for p, (_, high) in partition_offsets(bootstrap, topic, partitions).items()}
+
+
+def partition_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
+    """Each partition's (start, end) offsets: the oldest record still kept and the next one to be written."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-stream-status",
                          "enable.auto.commit": False, **QUIET})
     try:
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in range(partitions)}
     finally:
         consumer.close()
 
 
 def describe(bootstrap: str, timeout: float = 5.0) -> dict:
-    """A JSON-ready picture of the cluster: reachability, topics, end offsets, consumer-group lag."""
+    """A JSON-ready picture of the cluster: reachability, topics, end offsets, consumer-group lag.
+
+    A group's lag counts, on each partition it committed on, the records after its commit; on a partition its
+    members are assigned but never committed on, the whole partition (it starts from the earliest record).
+    Those partitions are listed under `uncommitted`. A group with no commits and no assignment has lag None
+    (shown as "no commits"), never 0.
+    """
     admin = admin_client(bootstrap)
     try:
         metadata = admin.list_topics(timeout=timeout)
@@ -62,21 +73,43 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
     for name, meta in sorted(metadata.topics.items()):
         if name.startswith("__"):
             continue
-        offsets = end_offsets(bootstrap, name, len(meta.partitions))
-        topics[name] = {"partitions": len(meta.partitions), "end_offsets": offsets,
-                        "messages": sum(offsets.values())}
+        offsets = partition_offsets(bootstrap, name, len(meta.partitions))
+        ends = {p: high for p, (_, high) in offsets.items()}
+        topics[name] = {"partitions": len(meta.partitions), "end_offsets": ends,
+                        "start_offsets": {p: low for p, (low, _) in offsets.items()}, "messages": sum(ends.values())}
     groups = {}
     listed = admin.list_consumer_groups(request_timeout=timeout).result()
-    for group in sorted(g.group_id for g in listed.valid):
-        committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])[group].result()
-        lag = 0
-        per_topic: dict[str, int] = {}
-        for tp in committed.topic_partitions:
-            if tp.offset < 0 or tp.topic not in topics:
-                continue
-            behind = topics[tp.topic]["end_offsets"].get(tp.partition, 0) - tp.offset
-            per_topic[tp.topic] = per_topic.get(tp.topic, 0) + behind
-            lag += behind
-        groups[group] = {"lag": lag, "lag_by_topic": per_topic}
+    names = sorted(g.group_id for g in listed.valid)
+    described = admin.describe_consumer_groups(names, request_timeout=timeout) if names else {}
+    for group in names:
+        result = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])[group].result()
+        committed = {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
+                     if tp.offset >= 0 and tp.topic in topics}
+        groups[group] = _lag(committed, _assigned(described[group], topics), topics)
     return {"bootstrap_servers": bootstrap, "reachable": True, "brokers": len(metadata.brokers),
             "topics": topics, "consumer_groups": groups}
+
+
+def _assigned(future, topics: dict) -> set[tuple[str, int]]:
+    """The partitions the group's members hold now (none when it has no members or cannot be described)."""
+    try:
+        members = future.result().members
+    except KafkaException:
+        return set()
+    return {(tp.topic, tp.partition) for m in members for tp in m.assignment.topic_partitions if tp.topic in topics}
+
+
+def _lag(committed: dict[tuple[str, int], int], assigned: set[tuple[str, int]], topics: dict) -> dict:
+    if not committed and not assigned:
+        return {"lag": None, "lag_by_topic": {}, "uncommitted": []}
+    per_topic: dict[str, int] = {}
+    uncommitted = []
+    for topic, p in sorted(committed.keys() | assigned):
+        end = topics[topic]["end_offsets"].get(p, 0)
+        if (topic, p) in committed:
+            behind = end - committed[(topic, p)]
+        else:
+            behind = end - topics[topic]["start_offsets"].get(p, 0)
+            uncommitted.append(f"{topic}[{p}]")
+        per_topic[topic] = per_topic.get(topic, 0) + behind
+    return {"lag": sum(per_topic.values()), "lag_by_topic": per_topic, "uncommitted": uncommitted}

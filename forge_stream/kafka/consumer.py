@@ -7,7 +7,9 @@ acknowledged by Kafka before the consumer moves past it, so nothing is lost.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
@@ -53,8 +55,10 @@ class DecodingConsumer:
     """Poll decoded events from catalog topics; commits are explicit (`commit(event)`)."""
 
     def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
-                 producer: EventProducer | None = None, **config):
+                 producer: EventProducer | None = None,
+                 on_dead_letter: Callable[[str, int, int], None] | None = None, **config):
         self.name = name
+        self._on_dead_letter = on_dead_letter
         self._topics = {t.name: t for t in topics}
         self._consumer = Consumer(consumer_config(bootstrap, group_id, **config))
         self._consumer.subscribe(list(self._topics))
@@ -63,35 +67,42 @@ class DecodingConsumer:
         self.dead_letters = 0
 
     def poll(self, timeout: float = 1.0) -> Event | None:
-        """The next decodable event, or None when nothing arrived within `timeout`."""
-        msg = self._consumer.poll(timeout)
-        if msg is None:
-            return None
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
+        """The next decodable event, or None when none arrived within `timeout` (dead letters are passed over)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._consumer.poll(max(0.0, deadline - time.monotonic()))
+            if msg is None:
                 return None
-            raise RuntimeError(f"consumer {self.name}: {msg.error()}")
-        try:
-            schema, record = decode(msg.value() or b"")
-            allowed = self._topics[msg.topic()].value_schemas
-            if schema not in allowed:
-                raise DecodeError(f"{msg.topic()} carries {', '.join(allowed)}, not {schema}")
-        except DecodeError as exc:
-            self._reject(msg, str(exc))
-            return None
-        key = msg.key().decode(errors="replace") if msg.key() is not None else None
-        return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return None
+                raise RuntimeError(f"consumer {self.name}: {msg.error()}")
+            try:
+                schema, record = decode(msg.value() or b"")
+                allowed = self._topics[msg.topic()].value_schemas
+                if schema not in allowed:
+                    raise DecodeError(f"{msg.topic()} carries {', '.join(allowed)}, not {schema}")
+            except DecodeError as exc:
+                self._reject(msg, str(exc))
+                continue
+            key = msg.key().decode(errors="replace") if msg.key() is not None else None
+            return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+
+    @property
+    def assigned(self) -> bool:
+        """Whether the group gave this consumer any partition yet."""
+        return bool(self._consumer.assignment())
 
     def _reject(self, msg, error: str) -> None:
         record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)
         self._producer.send_sync(TOPICS.dlq, msg.topic(), record)
         self.dead_letters += 1
-        self._consumer.commit(offsets=[TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)],
-                              asynchronous=False)
+        if self._on_dead_letter is not None:
+            self._on_dead_letter(msg.topic(), msg.partition(), msg.offset())
 
-    def commit(self, event: Event) -> None:
-        """Commit everything on `event`'s partition up to and including it."""
-        self._consumer.commit(offsets=[TopicPartition(event.topic, event.partition, event.offset + 1)],
+    def commit(self, positions: dict[tuple[str, int], int]) -> None:
+        """Commit each (topic, partition) up to, not including, its offset: the next record to read there."""
+        self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
                               asynchronous=False)
 
     def close(self) -> None:

@@ -7,7 +7,9 @@ the group's events, so a replay re-emits identical records:
   and one sibling per extra choice of an n > 1 request) (id: deterministic_id("trajectory", group_id, rollout));
 - Reward components (kind process / time / total) of each rollout's own turns, metadata {"choice_index": c}
   for a sibling rollout (id: deterministic_id("reward", group, rollout, turn, kind, name));
-- one TrainSample per group               (id: deterministic_id("sample", group_id)).
+- one TrainSample per group               (id: deterministic_id("sample", group_id)), or, when the group has no
+  trainable completion (all its sessions failed or were lost, or its Task never came), one GroupSkipped with the
+  reason (id: deterministic_id("group_skipped", group_id)) on the same topic, so the trainer does not wait on it.
 Their event_time is the group's last event time when it completes, or its deadline when it times out.
 An evaluation group (a session started with metadata {"purpose": "eval"}) emits nothing: its state becomes a
 closed marker as soon as that SessionStarted is read, dropping whatever arrived before it.
@@ -77,14 +79,30 @@ def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dic
             "outcome_reward": r.outcome, "wall_time_ms": wall_time_ms(state, r.session_id),
             "turns": [_turn_record(t) for t in r.turns], "group_complete": complete, "missing_sessions": missing,
         }))
-    if task is not None:
-        sample = build_sample(rollouts, {
-            "event_id": deterministic_id("sample", gid), "event_time": closed_ms, "group_id": gid,
-            "task_id": task_id, "task_seq": task_seq, "domain": task["domain"], "group_complete": complete,
-        })
-        if sample is not None:
-            emits.append(Emit(TOPICS.samples, gid, "TrainSample", sample))
+    sample = None if task is None else build_sample(rollouts, {
+        "event_id": deterministic_id("sample", gid), "event_time": closed_ms, "group_id": gid,
+        "task_id": task_id, "task_seq": task_seq, "domain": task["domain"], "group_complete": complete,
+    })
+    if sample is not None:
+        emits.append(Emit(TOPICS.samples, gid, "TrainSample", sample))
+    else:
+        emits.append(Emit(TOPICS.samples, gid, "GroupSkipped", {
+            "event_id": deterministic_id("group_skipped", gid), "event_time": closed_ms, "group_id": gid,
+            "task_id": task_id, "task_seq": task_seq, "reason": _skip_reason(state, done, missing),
+            "group_complete": complete, "missing_sessions": missing,
+        }))
     return groups.closed_marker(state, closed_ms), emits
+
+
+def _skip_reason(state: dict, done: list[str], missing: list[str]) -> str:
+    """Why a closed group has no sample, in words."""
+    if state["task"] is None:
+        return "its Task never reached the processors"
+    if not done:
+        return f"no session finished before the group timed out ({len(missing)} started)"
+    failed = sum(state["sessions"][sid]["finished"]["status"] != "ok" for sid in done)
+    return (f"no trainable completion in its {len(done)} finished sessions ({failed} failed"
+            f"{f', {len(missing)} unfinished' if missing else ''})")
 
 
 def _task_id(state: dict) -> str:

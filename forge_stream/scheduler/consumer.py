@@ -10,10 +10,18 @@ skipped or dropped). What lies beyond the watermark is re-read after a restart, 
 be known durably on their own:
 - a trained group is listed in the `group_ids` of the TrainStep this loop publishes on forge.train_metrics
   (keyed by the run name) before it commits any offset: that record is the commit point of a step;
-- a group skipped by the timeout, or a sample dropped by the staleness bound, becomes a DeadLetter on
-  forge.dlq (rejected_by = `scheduler:<run>`, key = group id) with the original Task or TrainSample bytes.
+- a skipped group becomes a DeadLetter on forge.dlq (rejected_by = `scheduler:<run>`, key = group id) with the
+  original bytes of what decided it: the Task of a group that timed out or that the processors would reject
+  (group_size < 1), the GroupSkipped the processors published for a group that closed without a sample, the
+  TrainSample the trainer cannot use or that the staleness bound dropped.
 On start the consumer reads both topics to the end and retires those groups again, so after a SIGKILL
 nothing is lost (uncommitted records are re-read) and nothing is trained twice (retired groups are skipped).
+A record that cannot be decoded goes to forge.dlq too (DecodingConsumer) and is settled at once, but the
+watermark passes it only with everything before it: a dead letter never commits past an untrained group.
+
+Skips. The window never waits on a group that cannot come: a GroupSkipped (forge.samples) retires its group at
+once. A group that neither trains nor is skipped upstream is skipped after `group_timeout_s`, counted from the
+Task's event time (or from when it was written to Kafka, if later), so a restart does not restart the clock.
 
 Window basis. `SchedulerSettings.window` is a WindowSpec. A fraction applies to `rollout_slots` (the
 rollout concurrency, as in the benchmark) when it is set, otherwise to the current queue (groups submitted
@@ -31,8 +39,9 @@ from forge_stream.events import deterministic_id, encode, now_ms
 from forge_stream.kafka.consumer import DecodingConsumer, Event, consumer_config, dead_letter
 from forge_stream.kafka.history import Slice, read_slice, watermarks
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors.groups import InvalidEvent, validate as check_event
 from forge_stream.scheduler.window import WindowedFifo, WindowSpec
-from forge_stream.topics import TOPICS, Topic
+from forge_stream.topics import TOPICS
 
 @dataclass(frozen=True)
 class SchedulerSettings:
@@ -141,45 +150,36 @@ class WindowedConsumer:
         self._core = WindowedFifo(None)
         self._producer = producer or EventProducer(settings.bootstrap)
         self._source = DecodingConsumer(settings.bootstrap, settings.name, [TOPICS.tasks, TOPICS.samples],
-                                        name=settings.name, producer=self._producer)
+                                        name=settings.name, producer=self._producer, on_dead_letter=self._passed)
         self._tasks: dict[int, Event] = {}
-        self._first_seen: dict[int, int] = {}  # wall time (ms) each Task was first read
+        self._seq_of: dict[str, int] = {}
         self._samples: dict[int, Event] = {}
         self._unsettled: dict[tuple[str, int], set[int]] = {}
         self._records_of: dict[str, list[tuple[tuple[str, int], int]]] = {}
         self._seen: dict[tuple[str, int], int] = {}
         self._committed: dict[tuple[str, int], int] = {}
+        self._caught_up = False
 
     def poll(self, timeout: float) -> bool:
         """Ingest at most one event; False when nothing arrived."""
         event = self._source.poll(timeout)
         if event is None:
+            self._caught_up = self._caught_up or (timeout > 0 and self._source.assigned)
             return False
-        tp = (event.topic, event.partition)
-        self._seen[tp] = event.offset + 1
+        self._passed(event.topic, event.partition, event.offset)
         group = event.record["group_id"]
         if group in self.retired:
             return True
+        tp = (event.topic, event.partition)
         self._unsettled.setdefault(tp, set()).add(event.offset)
         self._records_of.setdefault(group, []).append((tp, event.offset))
-        if event.topic == TOPICS.tasks.name:
-            seq = event.record["seq"]
-            self._tasks.setdefault(seq, event)
-            self._first_seen.setdefault(seq, now_ms())
-            self._core.submit(seq)
+        if event.schema == "Task":
+            self._queue(event)
+        elif event.schema == "GroupSkipped":
+            self._reject(event, f"group skipped by the processors: {event.record['reason']}")
+            self.skipped.append(group)
         else:
-            seq = event.record["task_seq"]
-            try:
-                if self._validate is not None:
-                    self._validate(event.record)
-            except ValueError as exc:
-                self._reject(event, f"invalid TrainSample: {exc}", TOPICS.samples)
-                self._core.skip(seq)
-                self._tasks.pop(seq, None)
-                self._first_seen.pop(seq, None)
-                return True
-            self._samples.setdefault(seq, event)
-            self._core.finish(seq)
+            self._finish(event)
         return True
 
     def next_batch(self, trainer_version: int, wait_s: float, partial: bool = False) -> Batch | None:
@@ -221,16 +221,50 @@ class WindowedConsumer:
 
     def commit(self) -> None:
         """Commit each partition up to (not including) its first record whose group is not retired."""
+        due = {}
         for tp, end in self._seen.items():
             pending = self._unsettled.get(tp)
             mark = min(pending) if pending else end
             if mark > self._committed.get(tp, 0):
-                self._source.commit(Event(tp[0], tp[1], mark - 1, None, "", {}, 0))
-                self._committed[tp] = mark
+                due[tp] = mark
+        if due:
+            self._source.commit(due)
+            self._committed.update(due)
 
     def close(self) -> None:
         self._source.close()
         self._producer.close()
+
+    def _passed(self, topic: str, partition: int, offset: int) -> None:
+        """The consumer read past this record (an event, or a dead letter that is settled already)."""
+        tp = (topic, partition)
+        self._seen[tp] = max(self._seen.get(tp, 0), offset + 1)
+
+    def _queue(self, task: Event) -> None:
+        """A Task joins the queue, unless the processors would reject it (then it is dead-lettered and skipped)."""
+        try:
+            check_event("Task", task.record)
+        except InvalidEvent as exc:
+            self._reject(task, f"invalid Task: {exc}")
+            self.skipped.append(task.record["group_id"])
+            return
+        group, seq = task.record["group_id"], task.record["seq"]
+        if group in self._seq_of:  # a group is queued once, at the seq it was first read with
+            return
+        self._tasks.setdefault(seq, task)
+        self._seq_of[group] = seq
+        self._core.submit(seq)
+
+    def _finish(self, sample: Event) -> None:
+        try:
+            if self._validate is not None:
+                self._validate(sample.record)
+        except ValueError as exc:
+            self._reject(sample, f"invalid TrainSample: {exc}")
+            return
+        seq = sample.record["task_seq"]
+        self._samples.setdefault(seq, sample)
+        self._core.finish(seq)
 
     def _window(self) -> int | None:
         basis = self.settings.rollout_slots or max(1, self._core.pending())
@@ -246,11 +280,10 @@ class WindowedConsumer:
             for seq in seqs:
                 event = self._samples.pop(seq)
                 self._tasks.pop(seq, None)
-                self._first_seen.pop(seq, None)
                 lag = version - event.record["policy_version"]
                 if bound is not None and lag > bound:
                     if drop:
-                        self._reject(event, f"staleness {lag} > bound {bound}: dropped", TOPICS.samples)
+                        self._reject(event, f"staleness {lag} > bound {bound}: dropped")
                         self.dropped.append(event.record["group_id"])
                         continue
                     over += 1
@@ -264,24 +297,24 @@ class WindowedConsumer:
     def _expire(self) -> None:
         """Skip the group that blocks the window once it has been waited for longer than the timeout.
 
-        The clock starts when the Task's event time says it was submitted, or when this consumer first read the
-        Task if that is later: a back-filled or re-published Task stream is not skipped wholesale.
+        The clock starts at the Task's event time, or when the Task was written to Kafka if that is later (a
+        back-filled Task stream is not skipped wholesale). Both are part of the record, so a restarted trainer
+        goes on with the clock instead of starting it again. Nothing expires before the consumer has caught up
+        with its inputs (a poll found nothing), so a restart does not skip a group whose sample waits unread.
         """
+        if not self._caught_up:
+            return
         limit = now_ms() - self.settings.group_timeout_s * 1000
         while (seq := self._core.frontier) is not None and seq in self._tasks:
             task = self._tasks[seq]
-            if max(task.record["event_time"], self._first_seen[seq]) > limit:
+            if max(task.record["event_time"], task.timestamp_ms) > limit:
                 return
-            group = task.record["group_id"]
             self._reject(task, f"group unfinished after {self.settings.group_timeout_s:g}s: skipped by the "
-                               f"windowed FIFO; its partial rollouts stay on {TOPICS.trajectories.name}",
-                         TOPICS.tasks)
-            self._core.skip(seq)
-            self._tasks.pop(seq)
-            self._first_seen.pop(seq, None)
-            self.skipped.append(group)
+                               f"windowed FIFO; its partial rollouts stay on {TOPICS.trajectories.name}")
+            self.skipped.append(task.record["group_id"])
 
-    def _reject(self, event: Event, error: str, topic: Topic) -> None:
+    def _reject(self, event: Event, error: str) -> None:
+        """Record the event on forge.dlq (the durable record of the skip) and retire its group."""
         group = event.record["group_id"]
         record = dead_letter(event.topic, event.partition, event.offset, group.encode(),
                              encode(event.schema, event.record), error, self.settings.name)
@@ -289,7 +322,13 @@ class WindowedConsumer:
         self._retire(group)
 
     def _retire(self, group: str) -> None:
+        """The group is done with (trained or skipped): out of the queue, and its records no longer hold commits."""
         self.retired.add(group)
+        seq = self._seq_of.pop(group, None)
+        if seq is not None:
+            self._core.skip(seq)
+            self._tasks.pop(seq, None)
+            self._samples.pop(seq, None)
         for tp, offset in self._records_of.pop(group, []):
             self._unsettled[tp].discard(offset)
 

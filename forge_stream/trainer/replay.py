@@ -35,7 +35,7 @@ class ReplaySettings:
 def replay_samples(settings: ReplaySettings, errors: list | None = None) -> list[dict]:
     """The slice's TrainSamples, once each, in submission order."""
     unique = {e.record["event_id"]: e.record for e in read_slice(settings.bootstrap, TOPICS.samples, settings.where,
-                                                                  errors)}
+                                                                  errors) if e.schema == "TrainSample"}
     return sorted(unique.values(), key=lambda r: (r["task_seq"], r["group_id"]))
 
 

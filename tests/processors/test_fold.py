@@ -128,3 +128,43 @@ def test_finish_read_before_last_completion_waits_for_it():
     assert out == [] and not state["closed"]
     state, out = run([last], state)
     assert len(by_schema(out, "TrainSample")[0]["sequences"]) == 2  # turn 0 of session 0 is untrainable
+
+
+def _failed_sessions(events, sessions):
+    """The group's Task and SessionStarted events, and each session finished with status error, no completion."""
+    kept = [e for e in events if e[0] in ("Task", "SessionStarted")]
+    return kept + [("SessionFinished", {
+        "event_id": f"finish-{sid}", "event_time": 1_700_000_000_500, "group_id": "g", "task_id": "task-g",
+        "session_id": sid, "status": "error", "num_completions": 0, "num_tool_spans": 0,
+        "reason": "agent crashed"}) for sid in sessions]
+
+
+def test_a_group_whose_sessions_all_failed_is_skipped_at_once_with_the_reason():
+    events = group_events("g", seq=7, group_size=2)
+    state, out = run(_failed_sessions(events, ["g-s0", "g-s1"]))
+    assert state["closed"] and by_schema(out, "TrainSample") == []
+    [skipped] = by_schema(out, "GroupSkipped")
+    assert skipped["group_complete"] and skipped["task_seq"] == 7 and skipped["missing_sessions"] == []
+    assert "2 finished sessions (2 failed" in skipped["reason"]
+    assert [e.topic.name for e in out if e.schema == "GroupSkipped"] == ["forge.samples"]
+    for e in out:
+        encode(e.schema, e.record)
+
+
+def test_a_group_whose_sessions_were_lost_is_skipped_when_it_times_out():
+    events = group_events("g", seq=3, group_size=2)
+    state, out = run([e for e in events if e[0] in ("Task", "SessionStarted")])
+    assert out == []
+    _, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    [skipped] = by_schema(out, "GroupSkipped")
+    assert not skipped["group_complete"] and skipped["missing_sessions"] == ["g-s0", "g-s1"]
+    assert "no session finished" in skipped["reason"] and skipped["task_seq"] == 3
+    encode("GroupSkipped", skipped)
+
+
+def test_a_group_without_its_task_is_skipped_when_it_times_out():
+    state, _ = run([e for e in group_events("g", group_size=1) if e[0] != "Task"])
+    _, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    assert by_schema(out, "TrainSample") == []
+    [skipped] = by_schema(out, "GroupSkipped")
+    assert skipped["task_seq"] == -1 and "Task never" in skipped["reason"]

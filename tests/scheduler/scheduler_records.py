@@ -27,3 +27,12 @@ def sample(run: str, seq: int, policy_version: int = 0) -> dict:
         "row_old_logprob": [0.0, 0.0, -0.5, -0.7], "row_advantage": [0.0, 0.0, 1.0, -1.0],
         "sequences": [], "group_complete": True,
     }
+
+
+def skipped(run: str, seq: int, reason: str = "no trainable completion in its 2 finished sessions (2 failed)") -> dict:
+    """The GroupSkipped the processors publish for a group that closed without a sample."""
+    return {
+        "event_id": deterministic_id("group_skipped", run, seq), "event_time": now_ms(),
+        "group_id": group_id(run, seq), "task_id": f"t{seq}", "task_seq": seq, "reason": reason,
+        "group_complete": True, "missing_sessions": [],
+    }

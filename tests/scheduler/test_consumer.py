@@ -19,7 +19,7 @@ from forge_stream.scheduler.consumer import (
 )
 from forge_stream.scheduler.window import WindowSpec
 from forge_stream.topics import TOPICS
-from scheduler_records import group_id, sample, task
+from scheduler_records import group_id, sample, skipped, task
 
 pytestmark = pytest.mark.kafka
 CHILD = Path(__file__).with_name("scheduler_child.py")
@@ -89,11 +89,11 @@ def test_window_hides_finished_groups_beyond_it_and_commits_only_consumed(kafka_
 def test_timeout_skips_a_group_that_never_finishes_and_records_it(kafka_bootstrap, run_id):
     settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=1),
                             group_timeout_s=2.0)
+    submitted = time.monotonic()  # the clock starts at the Task's event time
     produce(kafka_bootstrap, [task(run_id, s) for s in range(3)], [sample(run_id, s) for s in (1, 2)])
     consumer = WindowedConsumer(settings)
-    started = time.monotonic()
     steps = consumer.run(CountingTrainer(), steps=1, wait_s=20)
-    assert time.monotonic() - started >= 1.5
+    assert time.monotonic() - submitted >= 1.9
     assert steps[0]["group_ids"] == [group_id(run_id, 1), group_id(run_id, 2)]
     assert consumer.skipped == [group_id(run_id, 0)]
     letters = [e.record for e in read_slice(kafka_bootstrap, TOPICS.dlq, Slice()) if e.key == group_id(run_id, 0)]
@@ -129,14 +129,20 @@ def _start_child(bootstrap, run, total, batch, *mode):
     return subprocess.Popen([sys.executable, str(CHILD), bootstrap, run, str(total), str(batch), *mode], env=env)
 
 
-@pytest.mark.parametrize("kill", ["external", "after-publish"])
+@pytest.mark.parametrize("kill", ["external", "after-publish", "external-with-garbage"])
 def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(kafka_bootstrap, run_id, kill):
     total, batch = 24, 4
     settings = settings_for(kafka_bootstrap, run_id, batch_size=batch)
     finish_order = list(range(total))
     random.Random(run_id).shuffle(finish_order)
     produce(kafka_bootstrap, [task(run_id, s) for s in range(total)], [sample(run_id, s) for s in finish_order])
-    if kill == "external":
+    if kill == "external-with-garbage":  # undecodable records behind groups of every partition, both topics
+        producer = EventProducer(kafka_bootstrap)
+        for s in range(0, total, 3):
+            for topic in (TOPICS.tasks, TOPICS.samples):
+                producer.produce_raw(topic.name, group_id(run_id, s).encode(), b"not avro")
+        producer.close()
+    if kill.startswith("external"):
         child = _start_child(kafka_bootstrap, run_id, total, batch)
         deadline = time.monotonic() + 60
         while len(trained_groups(kafka_bootstrap, run_id)) < 2 * batch and time.monotonic() < deadline:
@@ -177,7 +183,7 @@ def test_an_invalid_sample_goes_to_the_dlq_and_its_group_is_skipped(kafka_bootst
     restarted.close()
 
 
-def test_old_tasks_get_the_whole_timeout_from_when_they_are_read(kafka_bootstrap, run_id):
+def test_old_tasks_get_the_whole_timeout_from_when_they_are_published(kafka_bootstrap, run_id):
     settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1), group_timeout_s=30)
     long_ago = [{**task(run_id, s), "event_time": 1_600_000_000_000} for s in range(2)]  # back-filled tasks
     produce(kafka_bootstrap, long_ago, [sample(run_id, 1)])
@@ -187,3 +193,81 @@ def test_old_tasks_get_the_whole_timeout_from_when_they_are_read(kafka_bootstrap
     produce(kafka_bootstrap, samples=[sample(run_id, 0)])
     assert consumer.next_batch(0, 10).group_ids == [group_id(run_id, 0)]
     consumer.close()
+
+
+def letters_for(bootstrap, group):
+    return [e.record for e in read_slice(bootstrap, TOPICS.dlq, Slice()) if e.key == group]
+
+
+def test_a_dead_letter_never_commits_past_an_untrained_group(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=1))
+    produce(kafka_bootstrap, [task(run_id, 0), task(run_id, 1)], [sample(run_id, 1)])
+    producer = EventProducer(kafka_bootstrap)  # garbage behind the Task of group 0 and the sample of group 1
+    producer.produce_raw(TOPICS.tasks.name, group_id(run_id, 0).encode(), b"not avro")
+    producer.produce_raw(TOPICS.samples.name, group_id(run_id, 1).encode(), b"\x00garbage")
+    producer.close()
+    consumer = WindowedConsumer(settings)
+    deadline = time.monotonic() + 30
+    while consumer._source.dead_letters < 2 and time.monotonic() < deadline:
+        consumer.poll(0.5)
+    assert consumer._source.dead_letters == 2
+    assert consumer.next_batch(0, 1, partial=True) is None  # group 1 waits behind group 0 (window 1)
+    consumer.commit()
+    consumer.close()  # the trainer dies here: nothing of groups 0 and 1 is trained yet
+
+    produce(kafka_bootstrap, samples=[sample(run_id, 0)])
+    restarted = WindowedConsumer(settings)
+    steps = restarted.run(CountingTrainer(), steps=1, wait_s=20)
+    assert [s["group_ids"] for s in steps] == [[group_id(run_id, 0), group_id(run_id, 1)]]
+    restarted.close()
+    for topic in (TOPICS.tasks, TOPICS.samples):
+        got, ends = committed(kafka_bootstrap, settings.name, topic)
+        assert got == ends, f"{topic.name}: the dead letters are committed once the groups before them trained"
+
+
+def test_a_group_skipped_upstream_is_retired_at_once(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=1))
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(3)], [sample(run_id, s) for s in (1, 2)])
+    producer = EventProducer(kafka_bootstrap)
+    producer.produce(TOPICS.samples, group_id(run_id, 0), skipped(run_id, 0), "GroupSkipped")
+    producer.close()
+    consumer = WindowedConsumer(settings)  # group_timeout_s is 600: only the GroupSkipped can unblock the window
+    steps = consumer.run(CountingTrainer(), steps=1, wait_s=20)
+    assert [s["group_ids"] for s in steps] == [[group_id(run_id, 1), group_id(run_id, 2)]]
+    assert consumer.skipped == [group_id(run_id, 0)]
+    [letter] = letters_for(kafka_bootstrap, group_id(run_id, 0))
+    assert letter["topic"] == TOPICS.samples.name and letter["rejected_by"] == settings.name
+    assert "skipped by the processors: no trainable completion" in letter["error"]
+    consumer.close()
+    restarted = WindowedConsumer(settings)
+    assert group_id(run_id, 0) in restarted.retired
+    restarted.close()
+
+
+def test_a_task_the_processors_reject_is_never_queued(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1))
+    produce(kafka_bootstrap, [{**task(run_id, 0), "group_size": 0}, task(run_id, 1)], [sample(run_id, 1)])
+    consumer = WindowedConsumer(settings)
+    steps = consumer.run(CountingTrainer(), steps=1, wait_s=20)
+    assert [s["group_ids"] for s in steps] == [[group_id(run_id, 1)]]
+    assert consumer.skipped == [group_id(run_id, 0)]
+    [letter] = letters_for(kafka_bootstrap, group_id(run_id, 0))
+    assert letter["topic"] == TOPICS.tasks.name and "invalid Task" in letter["error"]
+    assert "group_size 0" in letter["error"]
+    consumer.close()
+
+
+def test_the_group_timeout_goes_on_across_a_restart(kafka_bootstrap, run_id):
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1), group_timeout_s=6)
+    submitted = time.monotonic()
+    produce(kafka_bootstrap, [task(run_id, 0), task(run_id, 1)], [sample(run_id, 1)])
+    consumer = WindowedConsumer(settings)
+    assert consumer.next_batch(0, 3, partial=True) is None and consumer.skipped == []
+    consumer.close()  # the trainer dies with group 0 waited for about half its timeout
+    restarted = WindowedConsumer(settings)
+    started = time.monotonic()
+    assert restarted.next_batch(0, 20).group_ids == [group_id(run_id, 1)]
+    assert restarted.skipped == [group_id(run_id, 0)]
+    assert time.monotonic() - submitted >= 5.9, "skipped before its timeout"
+    assert time.monotonic() - started < 5, "the clock started again at the restart"
+    restarted.close()

@@ -1,5 +1,5 @@
 """The processors topology on the real broker: samples and rewards equal the pure functions' results, bad
-records go to forge.dlq, a timed-out group closes with what finished, and a SIGKILLed worker restarted from
+records go to forge.dlq, a timed-out group closes with what finished, a group of failed sessions is skipped, and a SIGKILLed worker restarted from
 its changelog still yields exactly one sample per group, with the same content."""
 
 from __future__ import annotations
@@ -101,6 +101,13 @@ def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     late = f"{run_id}-g1-s2"  # this session never finishes: its group closes on the timeout
     groups[f"{run_id}-g1"] = [e for e in groups[f"{run_id}-g1"]
                               if not (e[0] == "SessionFinished" and e[1]["session_id"] == late)]
+    failed = f"{run_id}-g3"  # every session of this group fails: it closes at once without a sample
+    groups[failed] = [e for e in group_events(failed, seq=3, group_size=2, start_ms=t0)
+                      if e[0] in ("Task", "SessionStarted")]
+    groups[failed] += [("SessionFinished", {
+        "event_id": f"finish-{sid}", "event_time": t0 + 50, "group_id": failed, "task_id": f"task-{failed}",
+        "session_id": sid, "status": "error", "num_completions": 0, "num_tool_spans": 0, "reason": "crashed"})
+        for sid in (f"{failed}-s0", f"{failed}-s1")]
     events = [e for evs in groups.values() for e in evs]
     bad = events[5][1]
     produce(kafka_bootstrap, events)
@@ -128,6 +135,8 @@ def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     samples = reader.unique("TrainSample")
     assert sorted(samples.values(), key=lambda r: r["group_id"]) == [r for _, s, r in want if s == "TrainSample"]
     assert [s["group_complete"] for s in sorted(samples.values(), key=lambda r: r["group_id"])] == [True, False, True]
+    [skipped] = reader.unique("GroupSkipped").values()
+    assert [skipped] == [r for _, s, r in want if s == "GroupSkipped"] and skipped["group_id"] == failed
     assert reader.unique("Reward") == {r["event_id"]: r for _, s, r in want if s == "Reward"}
     assert reader.unique("Trajectory") == {r["event_id"]: r for _, s, r in want if s == "Trajectory"}
     dead = reader.of("DeadLetter")
