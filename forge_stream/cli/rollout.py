@@ -85,7 +85,7 @@ def run(
         source = ResizedTasks(source, group_size)
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
                               admin_token, concurrency, attempt, loop, max_groups)
-    producer = EventProducer(cfg.bootstrap)
+    producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
 
     async def main(progress: Progress) -> dict:
         runner = make_agent(agent, agent_workers, agent_per_worker, agent_timeout)

@@ -7,13 +7,17 @@ acknowledged by Kafka before the consumer moves past it, so nothing is lost.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS, Topic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,29 @@ def consumer_config(bootstrap: str, group_id: str, **overrides) -> dict:
     }
 
 
+# errors that mean "Kafka is away or moving": wait them out rather than crash
+WAIT_ERRORS = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+               KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR, KafkaError._WAIT_COORD,
+               KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT}
+
+
+def commit_patiently(consumer: Consumer, offsets: list[TopicPartition], name: str) -> None:
+    """A synchronous commit that, while Kafka is away, retries every second until it goes through."""
+    told = False
+    while True:
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        except KafkaException as exc:
+            error = exc.args[0]
+            if not (error.retriable() or error.code() in WAIT_ERRORS):
+                raise
+            if not told:
+                log.warning("consumer %s: commit failed (%s); retrying until Kafka answers", name, error)
+                told = True
+            time.sleep(1.0)
+
+
 class DecodingConsumer:
     """Poll decoded events from catalog topics; commits are explicit (`commit(event)`)."""
 
@@ -70,6 +97,9 @@ class DecodingConsumer:
         if msg.error():
             if msg.error().code() == KafkaError._PARTITION_EOF:
                 return None
+            if msg.error().retriable() or msg.error().code() in WAIT_ERRORS:
+                log.warning("consumer %s: %s; waiting for Kafka", self.name, msg.error())
+                return None
             raise RuntimeError(f"consumer {self.name}: {msg.error()}")
         try:
             schema, record = decode(msg.value() or b"")
@@ -86,13 +116,14 @@ class DecodingConsumer:
         record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)
         self._producer.send_sync(TOPICS.dlq, msg.topic(), record)
         self.dead_letters += 1
-        self._consumer.commit(offsets=[TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)],
-                              asynchronous=False)
+        self._commit(TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1))
 
     def commit(self, event: Event) -> None:
-        """Commit everything on `event`'s partition up to and including it."""
-        self._consumer.commit(offsets=[TopicPartition(event.topic, event.partition, event.offset + 1)],
-                              asynchronous=False)
+        """Commit everything on `event`'s partition up to and including it (waiting while Kafka is away)."""
+        self._commit(TopicPartition(event.topic, event.partition, event.offset + 1))
+
+    def _commit(self, offset: TopicPartition) -> None:
+        commit_patiently(self._consumer, [offset], self.name)
 
     def close(self) -> None:
         self._consumer.close()
