@@ -32,7 +32,8 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
     console.print(f"[bold green]forge-stream is up[/bold green]: Kafka at {result['bootstrap_servers']}")
     for name, svc in result["services"].items():
         console.print(f"  {name:<12} {svc['url'] or '(no port)'}  pid {svc['pid']}  log {svc['log']}")
-    console.print("Stop with `forge-stream down`; inspect with `forge-stream status`.")
+    console.print(f"A supervisor (pid {result['supervisor']}) restarts a service that dies. "
+                  "Stop with `forge-stream down`; inspect with `forge-stream status`.")
 
 
 def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
