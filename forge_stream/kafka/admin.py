@@ -147,9 +147,17 @@ def wait_for_kafka(bootstrap: str, echo=print, timeout: float | None = None) -> 
         time.sleep(1.0)
 
 
-def ready_topics(bootstrap: str, echo=print) -> None:
-    """What a service does before it starts: wait for Kafka, then refuse to run on topics unlike the catalog."""
+def ready_topics(bootstrap: str, echo=print, missing_wait_s: float = 60.0) -> None:
+    """What a service does before it starts: wait for Kafka, give missing topics `missing_wait_s` to be created
+    (`up` or a `topics create` job may be at it), then refuse to run on topics unlike the catalog."""
     wait_for_kafka(bootstrap, echo)
+    deadline = time.monotonic() + missing_wait_s
+    while time.monotonic() < deadline:
+        problems = topic_problems(bootstrap)
+        if not problems["missing"] or problems["partitions"] or problems["configs"]:
+            break
+        echo(f"waiting for the catalog's topics ({problems['missing'][0]}; `forge-stream topics create` makes them)")
+        time.sleep(2.0)
     check_topics(bootstrap)
 
 
