@@ -152,11 +152,15 @@ def ready_topics(bootstrap: str, echo=print, missing_wait_s: float = 60.0) -> No
     (`up` or a `topics create` job may be at it), then refuse to run on topics unlike the catalog."""
     wait_for_kafka(bootstrap, echo)
     deadline = time.monotonic() + missing_wait_s
+    told = False
     while time.monotonic() < deadline:
         problems = topic_problems(bootstrap)
         if not problems["missing"] or problems["partitions"] or problems["configs"]:
             break
-        echo(f"waiting for the catalog's topics ({problems['missing'][0]}; `forge-stream topics create` makes them)")
+        if not told:
+            echo(f"waiting for the catalog's topics ({problems['missing'][0]}; `forge-stream topics create` "
+                 "makes them)")
+            told = True
         time.sleep(2.0)
     check_topics(bootstrap)
 
