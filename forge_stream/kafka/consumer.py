@@ -2,7 +2,8 @@
 
 Errors are data: a record with a bad frame, an unknown schema id, a corrupt body or a schema the topic does not
 carry becomes a DeadLetter (original bytes, topic, partition, offset, error, who rejected it). The dead letter is
-acknowledged by Kafka before the consumer moves past it, so nothing is lost.
+acknowledged by Kafka before the consumer moves past it, so nothing is lost. While Kafka is away, polls come back
+empty and commits are retried until they go through: a consumer waits an outage out rather than crash.
 """
 
 from __future__ import annotations
@@ -116,14 +117,11 @@ class DecodingConsumer:
         record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)
         self._producer.send_sync(TOPICS.dlq, msg.topic(), record)
         self.dead_letters += 1
-        self._commit(TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1))
+        commit_patiently(self._consumer, [TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)], self.name)
 
     def commit(self, event: Event) -> None:
         """Commit everything on `event`'s partition up to and including it (waiting while Kafka is away)."""
-        self._commit(TopicPartition(event.topic, event.partition, event.offset + 1))
-
-    def _commit(self, offset: TopicPartition) -> None:
-        commit_patiently(self._consumer, [offset], self.name)
+        commit_patiently(self._consumer, [TopicPartition(event.topic, event.partition, event.offset + 1)], self.name)
 
     def close(self) -> None:
         self._consumer.close()
