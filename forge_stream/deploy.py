@@ -17,7 +17,7 @@ from typing import Callable
 
 import yaml
 
-from forge_stream.kafka.admin import create_topics
+from forge_stream.kafka.admin import check_topics, create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker
 from forge_stream.services import ServiceSpec, Supervisor
 from forge_stream.settings import ForgeSettings
@@ -201,12 +201,15 @@ def local_broker(settings: ForgeSettings) -> LocalBroker:
 
 
 def up(settings: ForgeSettings, topology: Topology, echo=print) -> dict:
-    """Start the broker (if embedded), create topics, start services; returns where everything is."""
+    """Start the broker (if embedded), create missing topics and check every topic against the catalog (raising
+    TopicMismatch, with the fix, before anything starts), start the supervisor and through it the services;
+    returns where everything is."""
     if settings.embedded:
         echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
         local_broker(settings).start(echo)
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
     topics = create_topics(settings.bootstrap)
+    check_topics(settings.bootstrap)
     if "engine" in topology.services and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)
     supervisor = Supervisor(settings.run_dir)
@@ -215,11 +218,12 @@ def up(settings: ForgeSettings, topology: Topology, echo=print) -> dict:
         echo(f"Starting {name}...")
         started[name] = supervisor.start(BUILDERS[name](settings, topology.options[name]))
     return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
-            "topics": topics, "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]}
-                                           for n, e in started.items()}}
+            "topics": topics, "supervisor": supervisor.daemon_pid(),
+            "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}
 
 
 def down(settings: ForgeSettings) -> dict:
+    """Stop the supervisor (so nothing is restarted), the services, then the embedded broker."""
     stopped = Supervisor(settings.run_dir).stop_all()
     broker = settings.embedded and local_broker(settings).stop()
     return {"stopped_services": stopped, "stopped_broker": bool(broker)}

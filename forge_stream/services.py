@@ -1,21 +1,39 @@
-"""Background services of a deployment (registry, engine, gateway, processors, trainer...): start, stop, list.
+"""Background services of a deployment (registry, engine, gateway, processors, trainer...): start, supervise,
+stop, list.
 
-Each service is a real process started in its own session with its log and pid file under the run directory,
-so `forge-stream down` and `status` find them from any shell. Health is an HTTP URL or the process being alive.
+Each home has one supervisor: a small detached process (`python -m forge_stream.services RUN_DIR`, pid in
+`supervisor.pid`) that spawns every service in its own session, with its log under the run directory, and
+restarts one that dies, after a backoff that doubles on each quick death (1 s, 2 s, 4 s... capped at a minute).
+Its parent-of-all position is what lets it record how a service ended (exit code or signal, and its log's tail).
+
+`services.json` is the shared state, read and written under a file lock: the command line (`up`, `down`,
+`status`, from any shell) adds and removes services there; the supervisor spawns, watches and records. A service
+that is removed is never restarted, so `stop` removes it first and then ends it; `stop_all` (`down`) also ends
+the supervisor before the services. A service that keeps dying within `QUICK_EXIT_S` of its start is
+crash-looping, and `status` says so rather than calling it healthy.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+RESTART_BASE_S = 1.0
+RESTART_CAP_S = 60.0
+QUICK_EXIT_S = 10.0  # a service that dies sooner than this after its start died quickly
+CRASH_LOOP_EXITS = 3  # quick deaths in a row that make a service crash-looping
+TICK_S = 0.3
+LOG_TAIL_LINES = 20
 
 
 class ServiceError(RuntimeError):
@@ -35,22 +53,72 @@ class ServiceSpec:
         return cls(name, [sys.executable, "-m", module, *args], **kw)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     try:  # a zombie child of ours counts as dead
         done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
+        if done != 0:
+            return False
     except ChildProcessError:
+        pass
+    try:  # so does anyone's zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
         return True
 
 
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def _restart_delay(quick_exits: int) -> float:
+    return min(RESTART_CAP_S, RESTART_BASE_S * 2 ** max(0, quick_exits - 1))
+
+
+def _end(pid: int, timeout: float) -> None:
+    """SIGTERM the process group of `pid`, SIGKILL it after `timeout`."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Supervisor:
+    """The command line's side of one run directory's services (the watching is `supervise`'s)."""
+
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.state_file = run_dir / "services.json"
+        self.lock_file = run_dir / "services.lock"
+        self.pid_file = run_dir / "supervisor.pid"
+        self.log_file = run_dir / "supervisor.log"
 
     def _state(self) -> dict:
         try:
@@ -58,33 +126,89 @@ class Supervisor:
         except FileNotFoundError:
             return {}
 
-    def _save(self, state: dict) -> None:
+    @contextmanager
+    def locked(self):
+        """The state, under the lock; what the block leaves in it is saved."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(json.dumps(state, indent=2))
+        with open(self.lock_file, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self._state()
+            yield state
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=2))
+            os.replace(tmp, self.state_file)
+
+    def daemon_pid(self) -> int | None:
+        """The supervisor process's pid, if it runs."""
+        try:
+            pid = int(self.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        try:
+            if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return None  # the pid was reused
+        except FileNotFoundError:
+            pass
+        return pid
+
+    def ensure_daemon(self) -> int:
+        with self.locked():
+            pid = self.daemon_pid()
+            if pid is not None:
+                return pid
+            with open(self.log_file, "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "forge_stream.services", str(self.run_dir)],
+                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+            self.pid_file.write_text(str(proc.pid))
+            return proc.pid
 
     def start(self, spec: ServiceSpec, timeout: float = 120.0) -> dict:
-        state = self._state()
-        current = state.get(spec.name)
-        if current and _alive(current["pid"]):
+        """Have the supervisor run `spec` (unless it already runs) and wait until it is healthy."""
+        with self.locked() as state:
+            current = state.get(spec.name)
+            running = bool(current) and _alive(current.get("pid"))
+            if not running:
+                state[spec.name] = {
+                    "argv": spec.argv, "env": spec.env, "log": str(self.run_dir / f"{spec.name}.log"),
+                    "url": spec.url, "health_url": spec.health_url, "pid": None, "started": None,
+                    "next_start": 0.0, "restarts": 0, "quick_exits": 0, "last_exit": None,
+                }
+        self.ensure_daemon()
+        if running:
             return current
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.run_dir / f"{spec.name}.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **spec.env}, start_new_session=True)
-        entry = {"pid": proc.pid, "log": str(log_path), "url": spec.url, "health_url": spec.health_url,
-                 "argv": spec.argv, "started": time.time()}
-        state[spec.name] = entry
-        self._save(state)
-        self._wait_healthy(spec, proc, log_path, timeout)
+        entry = self._wait_spawned(spec.name)
+        self._wait_healthy(spec, entry["pid"], Path(entry["log"]), timeout)
         return entry
 
-    def _wait_healthy(self, spec: ServiceSpec, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    def _wait_spawned(self, name: str, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-                raise ServiceError(f"{spec.name} exited with {proc.returncode}; its log {log} ends:\n{tail}")
+            entry = self._state().get(name)
+            if entry is None:
+                raise ServiceError(f"{name} was stopped while it started")
+            if entry["pid"] is not None:
+                return entry
+            if entry["last_exit"] is not None:  # it could not even be spawned
+                self.stop(name)
+                raise ServiceError(f"{name} did not start: {entry['last_exit']['reason']}")
+            if self.daemon_pid() is None:
+                raise ServiceError(f"the supervisor of {self.run_dir} is not running; its log {self.log_file} "
+                                   f"ends:\n{log_tail(self.log_file)}")
+            time.sleep(0.1)
+        raise ServiceError(f"the supervisor did not start {name} within {timeout:.0f}s; see {self.log_file}")
+
+    def _wait_healthy(self, spec: ServiceSpec, pid: int, log: Path, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self._state().get(spec.name)
+            if entry is None or entry["pid"] != pid or not _alive(pid):
+                reason = (entry or {}).get("last_exit") or {"reason": "it exited"}
+                self.stop(spec.name)
+                raise ServiceError(f"{spec.name} did not start ({reason['reason']}); its log {log} ends:\n"
+                                   + log_tail(log, 25))
             if spec.health_url is None:
                 return
             try:
@@ -96,34 +220,130 @@ class Supervisor:
         raise ServiceError(f"{spec.name} was not healthy at {spec.health_url} within {timeout:.0f}s; see {log}")
 
     def stop(self, name: str, timeout: float = 20.0) -> bool:
-        state = self._state()
-        entry = state.pop(name, None)
-        self._save(state)
-        if entry is None or not _alive(entry["pid"]):
+        """Take `name` off the supervisor's list (so it is not restarted), then end it; whether it ran."""
+        with self.locked() as state:
+            entry = state.pop(name, None)
+        if entry is None or not _alive(entry.get("pid")):
             return False
-        os.killpg(entry["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(entry["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(entry["pid"]):
-            os.killpg(entry["pid"], signal.SIGKILL)
+        _end(entry["pid"], timeout)
+        return True
+
+    def stop_daemon(self, timeout: float = 10.0) -> bool:
+        pid = self.daemon_pid()
+        if pid is None:
+            return False
+        _end(pid, timeout)
+        self.pid_file.unlink(missing_ok=True)
         return True
 
     def stop_all(self) -> list[str]:
+        """The supervisor first (it would restart what is stopped), then the services, last started first."""
+        self.stop_daemon()
         names = list(self._state())
         return [name for name in reversed(names) if self.stop(name)]
 
     def status(self) -> dict:
+        """Per service: state (running, unhealthy, restarting, crash-looping, dead), pid, restarts, last exit."""
+        supervised = self.daemon_pid() is not None
+        now = time.time()
         out = {}
         for name, entry in self._state().items():
-            healthy = _alive(entry["pid"])
-            if healthy and entry.get("health_url"):
-                try:
-                    healthy = httpx.get(entry["health_url"], timeout=2).status_code < 500
-                except httpx.HTTPError:
-                    healthy = False
-            out[name] = {**entry, "running": _alive(entry["pid"]), "healthy": healthy}
+            running = _alive(entry["pid"])
+            crash_looping = entry["quick_exits"] >= CRASH_LOOP_EXITS and not (
+                running and now - entry["started"] >= QUICK_EXIT_S)
+            if crash_looping:
+                state = "crash-looping"
+            elif running:
+                state = "running"
+                if entry.get("health_url"):
+                    try:
+                        if httpx.get(entry["health_url"], timeout=2).status_code >= 500:
+                            state = "unhealthy"
+                    except httpx.HTTPError:
+                        state = "unhealthy"
+            else:
+                state = "restarting" if supervised else "dead"
+            out[name] = {**entry, "state": state, "running": running, "healthy": state == "running",
+                         "supervised": supervised}
         return out
 
 
-__all__ = ["ServiceError", "ServiceSpec", "Supervisor"]
+def _spawn(entry: dict, now: float) -> subprocess.Popen | None:
+    try:
+        with open(entry["log"], "ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} forge-stream supervisor: starting "
+                      f"(restart {entry['restarts'] + 1 if entry['last_exit'] else 0})\n".encode())
+            log.flush()
+            return subprocess.Popen(entry["argv"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **entry["env"]}, start_new_session=True)
+    except OSError as exc:
+        entry["quick_exits"] += 1
+        entry["last_exit"] = {"reason": f"could not start: {exc}", "at": now, "ran_s": 0.0, "log_tail": ""}
+        entry["next_start"] = now + _restart_delay(entry["quick_exits"])
+        return None
+
+
+def _tick(state: dict, children: dict[str, subprocess.Popen]) -> None:
+    """One look at every service: record the ones that ended, (re)start the ones that are due."""
+    now = time.time()
+    for name, proc in list(children.items()):  # reap what was stopped through the command line
+        if (name not in state or state[name]["pid"] != proc.pid) and proc.poll() is not None:
+            del children[name]
+    for name, entry in state.items():
+        pid = entry["pid"]
+        if pid is not None:
+            proc = children.get(name)
+            if proc is not None and proc.pid == pid:
+                if proc.poll() is None:
+                    continue
+                reason, code = exit_reason(proc.returncode), proc.returncode
+                del children[name]
+            elif _alive(pid):
+                continue
+            else:  # started by an earlier supervisor: only the parent learns how a process ended
+                reason, code = "ended (not a child of this supervisor, so its exit status is unknown)", None
+            ran = now - entry["started"]
+            entry["quick_exits"] = entry["quick_exits"] + 1 if ran < QUICK_EXIT_S else 0
+            entry["last_exit"] = {"reason": reason, "code": code, "at": now, "ran_s": round(ran, 2),
+                                  "log_tail": log_tail(Path(entry["log"]))}
+            entry["pid"] = None
+            entry["next_start"] = now + _restart_delay(entry["quick_exits"])
+            print(f"{time.strftime('%H:%M:%S')} {name} {reason} after {ran:.1f}s; restarting in "
+                  f"{entry['next_start'] - now:.0f}s", flush=True)
+        elif now >= entry["next_start"]:
+            proc = _spawn(entry, now)
+            if proc is None:
+                continue
+            if entry["last_exit"] is not None:
+                entry["restarts"] += 1
+            entry["pid"], entry["started"] = proc.pid, now
+            children[name] = proc
+
+
+def supervise(run_dir: Path) -> None:
+    """The supervisor process: watch the run directory's services until SIGTERM (or the directory is gone)."""
+    supervisor = Supervisor(run_dir)
+    with open(run_dir / "supervisor.lock", "a") as single:
+        try:
+            fcntl.flock(single, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"another supervisor watches {run_dir}", flush=True)
+            return
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+        supervisor.pid_file.write_text(str(os.getpid()))
+        print(f"{time.strftime('%H:%M:%S')} supervising the services of {run_dir} (pid {os.getpid()})", flush=True)
+        children: dict[str, subprocess.Popen] = {}
+        while not stopping and run_dir.is_dir():
+            with supervisor.locked() as state:
+                _tick(state, children)
+            time.sleep(TICK_S)
+        print(f"{time.strftime('%H:%M:%S')} supervisor stopping; the services keep running", flush=True)
+
+
+if __name__ == "__main__":
+    supervise(Path(sys.argv[1]))
+
+
+__all__ = ["ServiceError", "ServiceSpec", "Supervisor", "exit_reason", "supervise"]

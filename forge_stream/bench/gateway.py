@@ -26,9 +26,9 @@ import httpx
 import orjson
 
 from forge_stream.gateway.scripted import encode, render
-from forge_stream.kafka.admin import create_topics, end_offsets
-from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
-from forge_stream.settings import ForgeSettings
+from forge_stream.bench import bench_kafka
+from forge_stream.kafka.admin import end_offsets
+from forge_stream.kafka.broker import free_port
 from forge_stream.topics import TOPICS
 
 
@@ -57,22 +57,6 @@ def _process(args: list[str], health_url: str, log: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@contextmanager
-def _kafka(bootstrap: str | None, workdir: Path):
-    if bootstrap:
-        create_topics(bootstrap)
-        yield bootstrap
-        return
-    broker = LocalBroker(BrokerConfig(workdir / "kafka", ForgeSettings().cache_dir, port=free_port(),
-                                      controller_port=free_port()))
-    started = broker.start(echo=lambda *_: None)
-    try:
-        create_topics(started)
-        yield started
-    finally:
-        broker.stop()
 
 
 def _request(path: str, body: bytes) -> bytes:
@@ -127,7 +111,7 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         loop_factory = asyncio.new_event_loop
     with tempfile.TemporaryDirectory(prefix="forge-bench-gw-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        kafka = stack.enter_context(_kafka(bootstrap, work))
+        kafka = stack.enter_context(bench_kafka(bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
         stack.enter_context(_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
                                       "--reply", "The answer is 42, computed by the scripted engine."],

@@ -1,6 +1,7 @@
 """Benchmark: push N synthetic groups through a processors worker and time them to their samples.
 
-Starts the topology as a worker process (its own app id, reading from the latest offsets), waits until a probe
+Runs on a Kafka broker of its own unless given one (`--bootstrap-servers`): its probe groups never land in a
+live deployment's topics. Starts the topology as a worker process (its own app id, reading from the latest offsets), waits until a probe
 group comes out of it, then produces the N groups as fast as the producer goes and reads forge.samples.
 Reports groups per second (first event sent to last sample read) and the latency from a group's last event
 (acknowledged by Kafka) to its sample on forge.samples.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 
+from forge_stream.bench import bench_kafka
 from forge_stream.events import decode, now_ms
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors.synthetic import group_events
@@ -68,9 +70,18 @@ def _produce(producer: EventProducer, group_id: str, seq: int, group_size: int, 
         producer.produce(SCHEMA_TOPIC[schema], group_id, record, schema, on_delivery=done)
 
 
-def run(bootstrap: str, groups: int = 200, group_size: int = 4, turns: int = 3, timeout_s: float = 300.0,
-        rate: float | None = None) -> dict:
-    """Push `groups` groups (all at once, or `rate` groups per second) and time each one's sample."""
+def run(bootstrap: str | None = None, groups: int = 200, group_size: int = 4, turns: int = 3,
+        timeout_s: float = 300.0, rate: float | None = None) -> dict:
+    """Push `groups` groups (all at once, or `rate` groups per second) and time each one's sample, on `bootstrap`
+    or (by default) a broker of the benchmark's own."""
+    with tempfile.TemporaryDirectory(prefix="forge-bench-processors-") as tmp, \
+            bench_kafka(bootstrap, Path(tmp)) as kafka:
+        result = _measure(kafka, groups, group_size, turns, timeout_s, rate)
+    return {**result, "kafka": bootstrap or "the benchmark's own broker"}
+
+
+def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s: float,
+             rate: float | None) -> dict:
     run_id = uuid.uuid4().hex[:8]
     samples = _Samples(bootstrap)
     producer = EventProducer(bootstrap)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.cli.options import JsonOption
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON object.")
 
@@ -79,7 +79,8 @@ def prefix_tree(
 
 @app.command("processors")
 def processors(
-    bootstrap_servers: Optional[str] = BootstrapOption,
+    bootstrap_servers: Optional[str] = typer.Option(None, "--bootstrap-servers", "-b",
+                                                    help="An external cluster (default: the bench's own broker)."),
     groups: int = typer.Option(200, help="How many groups to push through."),
     group_size: int = typer.Option(4, help="Rollouts per group (G)."),
     turns: int = typer.Option(3, help="Turns per rollout."),
@@ -89,7 +90,7 @@ def processors(
     """Groups per second and last-event-to-sample latency of a processors worker."""
     from forge_stream.bench.processors import run
 
-    emit(run(settings(bootstrap_servers).bootstrap, groups=groups, group_size=group_size, turns=turns,
+    emit(run(bootstrap_servers, groups=groups, group_size=group_size, turns=turns,
              rate=rate), as_json)
 
 

@@ -2,6 +2,8 @@
 
 import typer
 
+from forge_stream.cli.options import ready_kafka
+
 app = typer.Typer(no_args_is_help=True, help="The local torch rollout engine (OpenAI protocol); vLLM weight sync.")
 
 
@@ -34,6 +36,8 @@ def serve(
     from forge_stream.engine.serving import EngineService
     from forge_stream.engine.settings import EngineSettings
 
+    if bootstrap_servers:
+        ready_kafka(bootstrap_servers)
     settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                               policy_version=policy_version, max_batch_size=max_batch_size,
                               max_model_len=max_model_len, dtype=dtype, device=device,
@@ -59,6 +63,7 @@ def vllm_sync(
     from forge_stream.engine.vllm_sync import SyncSettings, follow_policy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ready_kafka(bootstrap_servers)
     settings = SyncSettings(workers=tuple(worker), run=run, attempts=attempts, backoff_s=backoff_s,
                             initial_version=initial_version)
     asyncio.run(follow_policy(bootstrap_servers, settings))

@@ -4,7 +4,7 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
 
 app = typer.Typer(no_args_is_help=True, help="The OpenAI-compatible ingress gateway.")
 
@@ -32,8 +32,10 @@ def serve(
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.settings import GatewaySettings
 
+    bootstrap = settings(bootstrap_servers).bootstrap
+    ready_kafka(bootstrap)
     gateway = GatewaySettings(
-        engines=tuple(engine), bootstrap=settings(bootstrap_servers).bootstrap, host=host, port=port,
+        engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
         ack_timeout_ms=ack_timeout_ms, default_policy_version=policy_version,
         engine_logprobs_mode=engine_logprobs_mode)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
 
 app = typer.Typer(no_args_is_help=True, help="Stream processors: events -> trajectories, rewards, samples.")
 
@@ -32,6 +32,7 @@ def run(
     from topologies.processors import TopologyConfig, run_worker
 
     forge = settings(bootstrap_servers)
+    ready_kafka(forge.bootstrap)
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.progress import Progress
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, ready_kafka, settings
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 
@@ -79,12 +79,13 @@ def run(
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
+    ready_kafka(cfg.bootstrap)
     source = load_task_source(tasks)
     if group_size is not None:
         source = ResizedTasks(source, group_size)
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
                               admin_token, concurrency, attempt, loop, max_groups)
-    producer = EventProducer(cfg.bootstrap)
+    producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
 
     async def main(progress: Progress) -> dict:
         runner = make_agent(agent, agent_workers, agent_per_worker, agent_timeout)

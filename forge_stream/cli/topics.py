@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
-from forge_stream.kafka.admin import create_topics
+from forge_stream.kafka.admin import TopicMismatch, check_topics, create_topics, repair_topics
 from forge_stream.topics import TOPICS
 
 app = typer.Typer(no_args_is_help=True, help="The topic catalog.")
@@ -19,6 +19,25 @@ def create(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
     """Create every catalog topic that is missing (idempotent)."""
     result = create_topics(settings(bootstrap_servers).bootstrap)
     typer.echo(json.dumps(result) if as_json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+
+
+@app.command("repair")
+def repair(
+    recreate: bool = typer.Option(False, "--recreate",
+                                  help="Also delete and recreate topics whose partition count differs (their "
+                                       "records are lost; stop the services first)."),
+    bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption,
+) -> None:
+    """Make the cluster's topics match the catalog: create missing ones, set configs that differ."""
+    bootstrap = settings(bootstrap_servers).bootstrap
+    result = repair_topics(bootstrap, recreate=recreate)
+    typer.echo(json.dumps(result) if as_json else
+               "\n".join(f"{k}: {v}" for k, v in result.items()) or "every topic matches the catalog")
+    try:
+        check_topics(bootstrap)
+    except TopicMismatch as exc:
+        typer.echo(f"still not as the catalog says: {exc}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command("list")

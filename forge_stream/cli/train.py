@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
 
 
 def parse_window(text: str):
@@ -52,6 +52,7 @@ def train(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
+    ready_kafka(cfg.bootstrap)
     scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
                                   window=parse_window(window), rollout_slots=rollout_slots,
                                   group_timeout_s=group_timeout, max_staleness=max_staleness,

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from forge_stream import deploy
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
-from forge_stream.kafka.admin import describe
-from forge_stream.services import Supervisor
+from forge_stream.kafka.admin import TopicMismatch, describe
+from forge_stream.services import ServiceError, Supervisor
 
 console = Console(stderr=True)
 
@@ -21,14 +21,19 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
        bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
     """Start the broker (embedded unless --bootstrap-servers), create topics, start the topology's services."""
     cfg = settings(bootstrap_servers)
-    result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"))
+    try:
+        result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"))
+    except (TopicMismatch, ServiceError) as exc:
+        typer.echo(f"forge-stream up failed: {exc}", err=True)
+        raise typer.Exit(1)
     if as_json:
         typer.echo(json.dumps(result))
         return
     console.print(f"[bold green]forge-stream is up[/bold green]: Kafka at {result['bootstrap_servers']}")
     for name, svc in result["services"].items():
         console.print(f"  {name:<12} {svc['url'] or '(no port)'}  pid {svc['pid']}  log {svc['log']}")
-    console.print("Stop with `forge-stream down`; inspect with `forge-stream status`.")
+    console.print(f"A supervisor (pid {result['supervisor']}) restarts a service that dies. "
+                  "Stop with `forge-stream down`; inspect with `forge-stream status`.")
 
 
 def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
@@ -40,28 +45,44 @@ def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = Jso
 
 
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
-    """Broker reachability, topics with partitions and end offsets, consumer-group lag, services."""
+    """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
+    (running, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
     cfg = settings(bootstrap_servers)
     result = describe(cfg.bootstrap)
     result["services"] = Supervisor(cfg.run_dir).status()
     if as_json:
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["reachable"] else 1)
-    if not result["reachable"]:
+    out = Console()
+    if result["reachable"]:
+        topics = Table("topic", "partitions", "messages", title=f"Kafka at {cfg.bootstrap}")
+        for name, t in result["topics"].items():
+            topics.add_row(name, str(t["partitions"]), str(t["messages"]))
+        groups = Table("consumer group", "lag")
+        for name, g in result["consumer_groups"].items():
+            lag = "no commits" if g["lag"] is None else str(g["lag"])
+            if g.get("uncommitted"):
+                lag += f" ({len(g['uncommitted'])} partitions never committed)"
+            groups.add_row(name, lag)
+        out.print(topics, groups)
+    else:
         console.print(f"[red]Kafka at {cfg.bootstrap} is not reachable[/red]: {result['error']}\n"
                       "Start it with `forge-stream up`.")
-        raise typer.Exit(1)
-    topics = Table("topic", "partitions", "messages", title=f"Kafka at {cfg.bootstrap}")
-    for name, t in result["topics"].items():
-        topics.add_row(name, str(t["partitions"]), str(t["messages"]))
-    groups = Table("consumer group", "lag")
-    for name, g in result["consumer_groups"].items():
-        lag = "no commits" if g["lag"] is None else str(g["lag"])
-        if g["uncommitted"]:
-            lag += f" ({len(g['uncommitted'])} partitions never committed)"
-        groups.add_row(name, lag)
-    services = Table("service", "running", "healthy", "url", "pid")
+    services = Table("service", "state", "pid", "restarts", "last exit", "url")
     for name, s in result["services"].items():
-        services.add_row(name, str(s["running"]), str(s["healthy"]), s["url"] or "", str(s["pid"]))
-    out = Console()
-    out.print(topics, groups, services)
+        style = {"running": "green", "crash-looping": "bold red", "dead": "red"}.get(s["state"], "yellow")
+        last = s["last_exit"]
+        services.add_row(name, f"[{style}]{s['state']}[/{style}]", str(s["pid"] or "-"), str(s["restarts"]),
+                         f"{last['reason']} after {last['ran_s']:.0f}s" if last else "", s["url"] or "")
+    if result["services"]:
+        out.print(services)
+    if result["services"] and not any(s["supervised"] for s in result["services"].values()):
+        out.print("[red]The supervisor is not running[/red]: nothing restarts a service that dies. "
+                  "`forge-stream up` starts it again.")
+    for name, s in result["services"].items():
+        if s["state"] != "running" and s["last_exit"] and s["last_exit"]["log_tail"]:
+            tail = "\n".join(s["last_exit"]["log_tail"].splitlines()[-8:])
+            out.print(f"[bold]{name}[/bold] {s['last_exit']['reason']}; its log {s['log']} ended:")
+            out.print(tail, markup=False, highlight=False)
+    if not result["reachable"]:
+        raise typer.Exit(1)

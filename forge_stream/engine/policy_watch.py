@@ -4,7 +4,8 @@ The watcher reads the topic from the beginning without a consumer group (every e
 version), skips to the newest version of each batch it reads, and never goes backwards; a version re-published
 with another checkpoint (a step the trainer re-ran after a crash) replaces the weights of that version. Requests in flight finish
 on the weights they started with. A version whose checkpoint cannot be loaded (rotated away, unreadable) is
-skipped with a warning: the engine keeps serving what it has and loads the next version that comes.
+skipped with a warning: the engine keeps serving what it has and loads the next version that comes. While Kafka is
+away the engine serves on; the watcher reconnects (aiokafka) and catches up.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 
 from forge_stream.engine.serving import EngineRequestError
 from forge_stream.events import DecodeError, decode
@@ -50,9 +52,16 @@ def run_records(batches: dict, run: str) -> list[dict]:
 async def watch_policy(engine, bootstrap: str, run: str = "default", poll_ms: int = 500) -> None:
     """Run until cancelled, loading each newer policy version of training run `run` (the record key) into
     `engine`; other runs' versions (a replay, an experiment) are ignored."""
-    consumer = AIOKafkaConsumer(TOPICS.policy.name, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
+    while True:  # Kafka away at start: keep serving the weights there are, and try again
+        consumer = AIOKafkaConsumer(TOPICS.policy.name, bootstrap_servers=bootstrap, group_id=None,
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        try:
+            await consumer.start()
+            break
+        except KafkaError as exc:
+            log.warning("cannot reach Kafka at %s to follow forge.policy (%s); retrying", bootstrap, exc)
+            await consumer.stop()
+            await asyncio.sleep(2.0)
     try:
         while True:
             records = run_records(await consumer.getmany(timeout_ms=poll_ms), run)

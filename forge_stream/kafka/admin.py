@@ -1,18 +1,29 @@
-"""Cluster administration: create the catalog's topics (idempotently) and describe what is there.
+"""Cluster administration: create the catalog's topics (idempotently), check and repair them, describe what is
+there.
 
+`check_topics` is what `up` and every service run at start: each catalog topic must exist with the catalog's
+partition count and configs (a topic auto-created with one partition would split a group's events, and faust
+refuses co-partitioned topics that differ), and a mismatch is refused with the command that fixes it.
 `describe` backs `forge-stream status`: broker reachability, topics with partitions and end offsets, and the
 lag of every consumer group.
 """
 
 from __future__ import annotations
 
+import time
+
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic,
+                                  ResourceType)
 
 from forge_stream.topics import TOPICS, Topic
 
 
 QUIET = {"log_level": 0}  # librdkafka would print a line per reconnect attempt when the broker is down
+
+
+class TopicMismatch(RuntimeError):
+    """The cluster's topics differ from the catalog; the message lists each difference and the fixing command."""
 
 
 def admin_client(bootstrap: str) -> AdminClient:
@@ -40,6 +51,118 @@ def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: fl
                     raise
                 result[name] = "exists"
     return result
+
+
+def topic_problems(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> dict[str, list[str]]:
+    """What differs from the catalog, per topic: {"missing": [...], "partitions": [...], "configs": [...]}."""
+    admin = admin_client(bootstrap)
+    topics = topics or TOPICS.all()
+    metadata = admin.list_topics(timeout=timeout)
+    problems: dict[str, list[str]] = {"missing": [], "partitions": [], "configs": []}
+    present = []
+    for t in topics:
+        meta = metadata.topics.get(t.name)
+        if meta is None or meta.error is not None:
+            problems["missing"].append(f"{t.name} does not exist")
+            continue
+        present.append(t)
+        if len(meta.partitions) != t.partitions:
+            problems["partitions"].append(f"{t.name} has {len(meta.partitions)} partition(s); the catalog says "
+                                          f"{t.partitions}")
+    if present:
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t.name) for t in present],
+                                         request_timeout=timeout)
+        by_name = {t.name: t for t in present}
+        for resource, future in futures.items():
+            have = future.result()
+            for key, want in by_name[resource.name].config().items():
+                value = have[key].value if key in have else None
+                if value != want:
+                    problems["configs"].append(f"{resource.name} has {key}={value}; the catalog says {want}")
+    return problems
+
+
+def check_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> None:
+    """Raise TopicMismatch, saying how to fix it, unless every catalog topic is as the catalog says."""
+    problems = topic_problems(bootstrap, topics, timeout)
+    if not any(problems.values()):
+        return
+    lines = [f"the topics on Kafka at {bootstrap} differ from forge-stream's catalog:"]
+    lines += [f"  - {p}" for kind in ("missing", "partitions", "configs") for p in problems[kind]]
+    if problems["missing"]:
+        lines.append(f"Create the missing topics: forge-stream topics create -b {bootstrap}")
+    if problems["configs"]:
+        lines.append(f"Set the catalog's configs: forge-stream topics repair -b {bootstrap}")
+    if problems["partitions"]:
+        lines.append("A topic's partition count cannot be lowered, and raising it moves keys to other partitions "
+                     "(a group's events must share one). Delete and recreate those topics, losing their records "
+                     f"(stop the services first): forge-stream topics repair --recreate -b {bootstrap}")
+    raise TopicMismatch("\n".join(lines))
+
+
+def repair_topics(bootstrap: str, recreate: bool = False, timeout: float = 60.0) -> dict[str, str]:
+    """Create missing topics, set configs that differ, and (with `recreate`) delete and recreate the topics whose
+    partition count differs; returns {name: what was done}."""
+    admin = admin_client(bootstrap)
+    done: dict[str, str] = {}
+    problems = topic_problems(bootstrap, timeout=timeout)
+    wrong = [p.split(" ", 1)[0] for p in problems["partitions"]]
+    if wrong and recreate:
+        for future in admin.delete_topics(wrong, operation_timeout=timeout).values():
+            future.result()
+        deadline = time.monotonic() + timeout
+        while set(wrong) & set(admin.list_topics(timeout=timeout).topics) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done.update({name: "recreated" for name in wrong})
+    for name, result in create_topics(bootstrap, timeout=timeout).items():
+        if result == "created":
+            done.setdefault(name, "created")
+    configs = [p.split(" ", 1)[0] for p in topic_problems(bootstrap, timeout=timeout)["configs"]]
+    if configs:
+        resources = [ConfigResource(ResourceType.TOPIC, t.name, incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in t.config().items()])
+            for t in TOPICS.all() if t.name in configs]
+        for resource, future in admin.incremental_alter_configs(resources, request_timeout=timeout).items():
+            future.result()
+            done[resource.name] = "configs set"
+    return done
+
+
+def wait_for_kafka(bootstrap: str, echo=print, timeout: float | None = None) -> None:
+    """Block until the cluster answers (a service started while Kafka is away waits rather than exiting)."""
+    admin = admin_client(bootstrap)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            if admin.list_topics(timeout=5).brokers:
+                return
+        except KafkaException:
+            pass
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"Kafka at {bootstrap} did not answer within {timeout:.0f}s")
+        if not told:
+            echo(f"waiting for Kafka at {bootstrap}...")
+            told = True
+        time.sleep(1.0)
+
+
+def ready_topics(bootstrap: str, echo=print, missing_wait_s: float = 60.0) -> None:
+    """What a service does before it starts: wait for Kafka, give missing topics `missing_wait_s` to be created
+    (`up` or a `topics create` job may be at it), then refuse to run on topics unlike the catalog."""
+    wait_for_kafka(bootstrap, echo)
+    deadline = time.monotonic() + missing_wait_s
+    told = False
+    while time.monotonic() < deadline:
+        problems = topic_problems(bootstrap)
+        if not problems["missing"] or problems["partitions"] or problems["configs"]:
+            break
+        if not told:
+            echo(f"waiting for the catalog's topics ({problems['missing'][0]}; `forge-stream topics create` "
+                 "makes them)")
+            told = True
+        time.sleep(2.0)
+    check_topics(bootstrap)
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:

@@ -73,7 +73,6 @@ class BrokerConfig:
     heap: str = "512m"
     offsets_partitions: int = 4
     rebalance_delay_ms: int = 0
-    auto_create_topics: bool = True
 
     @property
     def bootstrap(self) -> str:
@@ -96,7 +95,6 @@ class LocalBroker:
         self.properties.write_text(template.substitute(
             port=c.port, controller_port=c.controller_port, data_dir=self.dir / "data",
             offsets_partitions=c.offsets_partitions, rebalance_delay_ms=c.rebalance_delay_ms,
-            auto_create=str(c.auto_create_topics).lower(),
         ))
 
     def _java(self, libs: Path, main: str, *args: str) -> list[str]:

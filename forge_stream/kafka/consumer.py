@@ -2,20 +2,24 @@
 
 Errors are data: a record with a bad frame, an unknown schema id, a corrupt body or a schema the topic does not
 carry becomes a DeadLetter (original bytes, topic, partition, offset, error, who rejected it). The dead letter is
-acknowledged by Kafka before the consumer moves past it, so nothing is lost.
+acknowledged by Kafka before the consumer moves past it, so nothing is lost. While Kafka is away, polls come back
+empty and commits are retried until they go through: a consumer waits an outage out rather than crash.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS, Topic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,29 @@ def consumer_config(bootstrap: str, group_id: str, **overrides) -> dict:
     }
 
 
+# errors that mean "Kafka is away or moving": wait them out rather than crash
+WAIT_ERRORS = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+               KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR, KafkaError._WAIT_COORD,
+               KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT}
+
+
+def commit_patiently(consumer: Consumer, offsets: list[TopicPartition], name: str) -> None:
+    """A synchronous commit that, while Kafka is away, retries every second until it goes through."""
+    told = False
+    while True:
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        except KafkaException as exc:
+            error = exc.args[0]
+            if not (error.retriable() or error.code() in WAIT_ERRORS):
+                raise
+            if not told:
+                log.warning("consumer %s: commit failed (%s); retrying until Kafka answers", name, error)
+                told = True
+            time.sleep(1.0)
+
+
 class DecodingConsumer:
     """Poll decoded events from catalog topics; commits are explicit (`commit(event)`)."""
 
@@ -75,6 +102,9 @@ class DecodingConsumer:
                 return None
             if msg.error():
                 if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return None
+                if msg.error().retriable() or msg.error().code() in WAIT_ERRORS:
+                    log.warning("consumer %s: %s; waiting for Kafka", self.name, msg.error())
                     return None
                 raise RuntimeError(f"consumer {self.name}: {msg.error()}")
             try:
@@ -101,9 +131,9 @@ class DecodingConsumer:
             self._on_dead_letter(msg.topic(), msg.partition(), msg.offset())
 
     def commit(self, positions: dict[tuple[str, int], int]) -> None:
-        """Commit each (topic, partition) up to, not including, its offset: the next record to read there."""
-        self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                              asynchronous=False)
+        """Commit each (topic, partition) up to, not including, its offset: the next record to read there (waiting
+        while Kafka is away)."""
+        commit_patiently(self._consumer, [TopicPartition(t, p, o) for (t, p), o in positions.items()], self.name)
 
     def close(self) -> None:
         self._consumer.close()

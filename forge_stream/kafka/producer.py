@@ -2,6 +2,8 @@
 
 `send` returns an asyncio future that resolves only once Kafka acknowledged the record, so a server can answer
 its caller after the event is durable and never before. `send_sync` is the same for scripts.
+A patient producer (`patient=True`: the trainer, the rollout controller) never gives a record up: while Kafka is
+away its sends wait, and go through once it is back, instead of failing after `message.timeout.ms`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def producer_config(bootstrap: str, **overrides) -> dict:
 class EventProducer:
     """One idempotent producer per process; a background thread serves delivery callbacks."""
 
-    def __init__(self, bootstrap: str, **config):
+    def __init__(self, bootstrap: str, patient: bool = False, **config):
+        self.patient = patient
+        if patient:
+            config["message.timeout.ms"] = 0  # librdkafka: retry (idempotently) until acknowledged
         self._producer = Producer(producer_config(bootstrap, **config))
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="forge-producer-poll", daemon=True)
@@ -68,7 +73,8 @@ class EventProducer:
 
     def send_sync(self, topic: Topic, key: str, record: dict, schema: str | None = None,
                   timeout: float = 30.0) -> int:
-        """Send one record and block until Kafka acknowledged it; returns its offset."""
+        """Send one record and block until Kafka acknowledged it (a patient producer: however long that takes);
+        returns its offset."""
         result: dict = {}
         acked = threading.Event()
 
@@ -77,7 +83,7 @@ class EventProducer:
             acked.set()
 
         self.produce(topic, key, record, schema, on_delivery=done)
-        if not acked.wait(timeout):
+        if not acked.wait(None if self.patient else timeout):
             raise DeliveryError(f"no acknowledgement from Kafka for {topic.name} within {timeout:.0f}s")
         if result["err"] is not None:
             raise DeliveryError(f"Kafka rejected a record for {topic.name}: {result['err']}")

@@ -164,7 +164,7 @@ def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=pr
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if settings.from_now and not has_committed_offsets(settings.scheduler):
         start_at_end(settings.scheduler)
-    producer = EventProducer(settings.bootstrap)
+    producer = EventProducer(settings.bootstrap, patient=True)  # a Kafka outage pauses training
     recovered = recover(settings.scheduler)
     resume = 0 if recovered.last_version is None else recovered.last_version + 1
     trainer = PolicyTrainer(settings, resume)

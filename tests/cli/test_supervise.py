@@ -1,0 +1,94 @@
+"""`up` runs a supervisor per home: a service killed with SIGKILL comes back and `status` says how it ended; one
+that keeps dying at once is crash-looping, never healthy; `down` stops the supervisor first, so nothing returns."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from forge_stream.kafka.broker import free_port
+from forge_stream.services import ServiceSpec, Supervisor, _alive
+
+
+def _env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
+    env.update(FORGE_HOME=str(tmp_path / "home"), COLUMNS="240", **extra)
+    return env
+
+
+def cli(env, *args, check=True):
+    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert not check or out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def services(env, bootstrap) -> dict:
+    return json.loads(cli(env, "status", "-b", bootstrap, "--json").stdout)["services"]
+
+
+def until(probe, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout:.0f}s; last: {probe()}")
+
+
+def test_killed_service_is_restarted_and_status_says_why(kafka_bootstrap, tmp_path):
+    topology = tmp_path / "registry-only.yaml"
+    topology.write_text("name: registry-only\nservices:\n  - registry\n")
+    port = free_port()
+    env = _env(tmp_path, FORGE_REGISTRY_PORT=str(port))
+    try:
+        up = json.loads(cli(env, "up", str(topology), "-b", kafka_bootstrap, "--json").stdout)
+        first, supervisor = up["services"]["registry"]["pid"], up["supervisor"]
+        assert _alive(supervisor)
+        assert services(env, kafka_bootstrap)["registry"]["state"] == "running"
+
+        os.kill(first, signal.SIGKILL)
+        back = until(lambda: (s := services(env, kafka_bootstrap)["registry"])["restarts"] == 1
+                     and s["state"] == "running" and s, 60)
+        assert back["pid"] != first and back["healthy"]
+        assert back["last_exit"]["reason"] == "killed by SIGKILL" and back["last_exit"]["code"] == -9
+        assert httpx.get(f"http://127.0.0.1:{port}/subjects").status_code == 200
+        table = cli(env, "status", "-b", kafka_bootstrap).stdout
+        assert "killed by SIGKILL" in table and "running" in table
+
+        down = json.loads(cli(env, "down", "-b", kafka_bootstrap, "--json").stdout)
+        assert down["stopped_services"] == ["registry"]
+        assert not _alive(supervisor) and not _alive(back["pid"])
+        time.sleep(3)  # longer than the first restart delay: nobody brings it back
+        assert services(env, kafka_bootstrap) == {}
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/subjects", timeout=2)
+            raise AssertionError("the registry came back after down")
+        except httpx.ConnectError:
+            pass
+    finally:
+        cli(env, "down", "-b", kafka_bootstrap, check=False)
+
+
+def test_service_that_dies_at_once_is_crash_looping(kafka_bootstrap, tmp_path):
+    env = _env(tmp_path)
+    supervisor = Supervisor(tmp_path / "home" / "run")
+    flaky = "import sys, time; time.sleep(0.5); print('no config here', flush=True); sys.exit(3)"
+    try:
+        supervisor.start(ServiceSpec("flaky", [sys.executable, "-c", flaky]))
+        svc = until(lambda: (s := services(env, kafka_bootstrap)["flaky"])["state"] == "crash-looping" and s, 60)
+        assert not svc["healthy"] and svc["restarts"] >= 2
+        assert svc["last_exit"]["reason"] == "exit code 3" and "no config here" in svc["last_exit"]["log_tail"]
+        table = cli(env, "status", "-b", kafka_bootstrap).stdout
+        assert "crash-looping" in table and "no config here" in table
+        # it is still retried, each time after a longer wait
+        later = until(lambda: (s := services(env, kafka_bootstrap)["flaky"])["restarts"] > svc["restarts"] and s, 30)
+        assert later["state"] == "crash-looping"
+    finally:
+        supervisor.stop_all()
+    assert supervisor.daemon_pid() is None
