@@ -20,6 +20,7 @@ def serve(
     served_model_name: str = typer.Option(None, help="Model name in responses (default: the path)."),
     policy_version: int = typer.Option(0, help="Policy version of the initial weights."),
     max_batch_size: int = typer.Option(32, help="Most sequences decoded together."),
+    prefix_cache_tokens: int = typer.Option(65536, help="Prompt KV kept for prompts that share a prefix (0: off)."),
     max_model_len: int = typer.Option(None, help="Prompt + completion limit (default: the model's)."),
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="torch dtype of the weights."),
@@ -41,7 +42,7 @@ def serve(
     settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                               policy_version=policy_version, max_batch_size=max_batch_size,
                               max_model_len=max_model_len, dtype=dtype, device=device,
-                              logprobs_mode=logprobs_mode)
+                              logprobs_mode=logprobs_mode, prefix_cache_tokens=prefix_cache_tokens)
     app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

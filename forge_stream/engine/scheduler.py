@@ -1,7 +1,9 @@
 """The batching generation loop: admit requests into a running batch, prefill, decode all sequences together.
 
 One worker thread owns the models and the KV caches. Each admitted request is prefilled on its own (one
-forward over the prompt, its KV cache shared read-only by its n choices), then every decode step runs one
+forward over the prompt, its KV cache shared read-only by its n choices), reusing the KV of the longest
+block-aligned prefix it shares with a recent prompt (`PrefixCache`, as vLLM's automatic prefix caching: agents
+resend the same system prompt and tools every call, and each turn extends the last one), then every decode step runs one
 batched forward per policy version over all active sequences of that version: their caches are left-padded to
 a common length and stacked, an attention mask hides the padding, and each row gets its own position id. The
 stacked cache is kept while the batch membership stays the same and re-packed from per-sequence slices when a
@@ -15,6 +17,7 @@ blocks on a client.
 
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -122,12 +125,78 @@ def _pack(seqs: list[_Sequence]) -> _Batch:
     return _Batch(seqs=seqs, cache=DynamicCache(ddp_cache_data=data), mask=mask, pads=pads)
 
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, heads, tokens, dim]
+
+
+class PrefixCache:
+    """The KV of recently prefilled prompts of one model, found again by any prompt that starts with one of them.
+
+    Prompts are cut in blocks of `block` tokens; block boundary k of a prompt is named by a chained hash of its
+    first k blocks, so a lookup costs one pass over the prompt whatever its length. An entry keeps one prompt's
+    KV tensors (never written to: a cache built on a slice of them concatenates into new tensors) and every
+    boundary name points at it. Entries are evicted least recently used past `max_tokens` tokens in all.
+    """
+
+    def __init__(self, max_tokens: int, block: int = 16):
+        self.max_tokens, self.block = max_tokens, block
+        self._entries: OrderedDict[int, tuple[KV, list[int]]] = OrderedDict()  # entry id -> (kv, boundary names)
+        self._names: dict[int, tuple[int, int]] = {}  # boundary name -> (entry id, prefix length)
+        self._tokens = 0
+        self._next = 0
+        self.owner: object | None = None  # the model the entries were computed with
+
+    def _boundaries(self, ids: list[int], limit: int) -> list[tuple[int, int]]:
+        """(name, length) of each block boundary of `ids` up to `limit` tokens."""
+        out, name = [], 0
+        for end in range(self.block, limit + 1, self.block):
+            name = hash((name, tuple(ids[end - self.block:end])))
+            out.append((name, end))
+        return out
+
+    def clear(self, owner: object) -> None:
+        self._entries.clear()
+        self._names.clear()
+        self._tokens = 0
+        self.owner = owner
+
+    def lookup(self, ids: list[int]) -> tuple[int, KV | None]:
+        """The longest cached prefix of `ids` that leaves at least one token to compute: (length, its KV)."""
+        for name, length in reversed(self._boundaries(ids, len(ids) - 1)):
+            found = self._names.get(name)
+            if found is None or found[1] != length:
+                continue
+            entry, _ = found
+            self._entries.move_to_end(entry)
+            kv = self._entries[entry][0]
+            return length, [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
+        return 0, None
+
+    def insert(self, ids: list[int], kv: KV) -> None:
+        if self.max_tokens <= 0 or len(ids) < self.block or len(ids) > self.max_tokens:
+            return
+        entry, self._next = self._next, self._next + 1
+        names = []
+        for name, length in self._boundaries(ids, len(ids)):
+            self._names[name] = (entry, length)
+            names.append(name)
+        self._entries[entry] = (kv, names)
+        self._tokens += len(ids)
+        while self._tokens > self.max_tokens:
+            old, (old_kv, old_names) = self._entries.popitem(last=False)
+            self._tokens -= old_kv[0][0].shape[2]
+            for name in old_names:
+                if self._names.get(name, (None,))[0] == old:
+                    del self._names[name]
+
+
 @dataclass
 class SchedulerStats:
     """Counters that show batching happened (read by /health and tests)."""
 
     requests: int = 0
     prefills: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     decode_steps: int = 0
     decode_rows: int = 0
     max_batch: int = 0
@@ -138,7 +207,7 @@ class Scheduler:
 
     def __init__(self, loaded: LoadedModel, decode: Callable[[list[int], bool], str], eos_ids: set[int],
                  max_batch_size: int, max_model_len: int, logprobs_mode: LogprobsMode = "processed",
-                 device: str = "cpu"):
+                 device: str = "cpu", prefix_cache_tokens: int = 65536):
         self.current = loaded
         self._device = torch.device(device)
         self._decode = decode
@@ -150,6 +219,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._active: list[_Sequence] = []
         self._batches: dict[int, _Batch] = {}
+        self._prefixes = PrefixCache(prefix_cache_tokens)
         self._thread = threading.Thread(target=self._run, name="forge-engine-scheduler", daemon=True)
         self.stats = SchedulerStats()
 
@@ -212,9 +282,16 @@ class Scheduler:
         self.stats.requests += 1
         self.stats.prefills += 1
         request.sink(Admitted(loaded.version))
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self._device)
-        out = loaded.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        if self._prefixes.owner is not loaded:
+            self._prefixes.clear(loaded)
+        cached, prefix = self._prefixes.lookup(request.prompt_ids)
+        ids = torch.tensor([request.prompt_ids[cached:]], dtype=torch.long, device=self._device)
+        past = DynamicCache(ddp_cache_data=prefix) if prefix else DynamicCache()
+        out = loaded.model(input_ids=ids, past_key_values=past, use_cache=True)
         cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        self._prefixes.insert(request.prompt_ids, cache)
+        self.stats.prefill_tokens += len(request.prompt_ids) - cached
+        self.stats.prefix_hit_tokens += cached
         logits = out.logits[0, -1].float().cpu()
         params = request.params
         for index in range(request.n):

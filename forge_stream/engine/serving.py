@@ -101,6 +101,7 @@ class EngineService:
             max_model_len=max_len,
             logprobs_mode=settings.logprobs_mode,
             device=settings.device,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
         )
         return cls(settings, tokenizer, scheduler, max_len)
 

@@ -19,6 +19,7 @@ class EngineSettings:
     dtype: str = "float32"
     device: str = "cpu"
     logprobs_mode: LogprobsMode = "processed"  # see forge_stream.engine.sampling
+    prefix_cache_tokens: int = 65536  # prompt KV kept for reuse by prompts sharing a prefix (0: off)
     # Limits of one request, checked before it is tokenized or scheduled (past one: 400 or 413)
     max_request_bytes: int = 8 * 1024 * 1024  # body size, checked while it is read
     max_json_depth: int = 64  # nesting of the body's JSON objects/arrays (e.g. tool parameter schemas)

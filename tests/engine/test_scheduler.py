@@ -93,3 +93,29 @@ def test_swap_keeps_running_sequences_on_the_old_model(scheduler, tokenizer, hf_
     for run, model in ((old_run, hf_model), (new_run, new_model)):
         ids = [e.token_id for e in run.tokens()]
         assert [e.logprob for e in run.tokens()] == pytest.approx(reference_logprobs(model, prompt, ids), abs=1e-4)
+
+
+def test_prompts_sharing_a_prefix_reuse_its_kv_exactly(scheduler, tokenizer, hf_model, tiny_model_dir_v1,
+                                                       reference_logprobs):
+    """A prompt that starts with an earlier one (the same system prompt and tools; the previous turn) computes
+    only its new tokens, and its log-probs are those of a plain forward pass over the whole prompt; after a
+    weight swap nothing of the old model's KV is reused."""
+    system = "You are a careful agent. Use the calculator for arithmetic and answer with the number only. " * 3
+    first = system + "What is 12 + 30?"
+    second = first + " The calculator said 42. What is 42 * 2?"
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    runs = [_submit(scheduler, tokenizer, p, params).wait() for p in (first, second, system + "Which is larger?")]
+    assert scheduler.stats.prefix_hit_tokens >= 2 * (len(tokenizer.encode(system)) // 16) * 16
+    assert scheduler.stats.prefill_tokens < sum(len(tokenizer.encode(p)) for p in (first, second))
+    for prompt, run in zip((first, second, system + "Which is larger?"), runs):
+        ids = [e.token_id for e in run.tokens()]
+        assert [e.logprob for e in run.tokens()] == pytest.approx(
+            reference_logprobs(hf_model, tokenizer.encode(prompt), ids), abs=1e-4)
+    new_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v1).eval()
+    scheduler.swap(LoadedModel(new_model, 1, str(tiny_model_dir_v1)))
+    hits = scheduler.stats.prefix_hit_tokens
+    run = _submit(scheduler, tokenizer, second, params).wait()
+    assert scheduler.stats.prefix_hit_tokens == hits
+    ids = [e.token_id for e in run.tokens()]
+    assert [e.logprob for e in run.tokens()] == pytest.approx(
+        reference_logprobs(new_model, tokenizer.encode(second), ids), abs=1e-4)
