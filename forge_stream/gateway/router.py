@@ -178,7 +178,10 @@ async def get_session(session_id: str, request: Request) -> Response:
 @router.post("/v1/sessions/{session_id}/reward", openapi_extra=httpbody.openapi_body(RewardIn))
 async def reward(session_id: str, request: Request) -> Response:
     session = _admin_session(request, session_id)
-    ids = await _service(request).reward(session, await read_model(request, RewardIn))
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
+        raise invalid("Idempotency-Key must be 1-256 printable characters", "Idempotency-Key")
+    ids = await _service(request).reward(session, await read_model(request, RewardIn), key)
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
 
 

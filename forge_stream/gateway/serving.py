@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 from confluent_kafka import KafkaError, KafkaException
 
-from forge_stream.events import new_event_id, now_ms
+from forge_stream.events import deterministic_id, new_event_id, now_ms
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
@@ -257,10 +257,14 @@ class GatewayService:
                            status=session.status, turns=session.turns, completions=session.completions,
                            pending_tool_calls=sorted(session.pending))
 
-    async def reward(self, session: Session, reward: RewardIn) -> list[str]:
+    async def reward(self, session: Session, reward: RewardIn, idempotency_key: str | None = None) -> list[str]:
+        """Record a reward. With an `Idempotency-Key`, its event id derives from the session and the key, so a
+        retried post (its first answer lost) is the same event, which the processors count once."""
         session.require_open()
         keys = session.keys
-        record = {"event_id": new_event_id(), "event_time": now_ms(), "group_id": keys.group_id,
+        event_id = (deterministic_id("reward", keys.session_id, idempotency_key) if idempotency_key is not None
+                    else new_event_id())
+        record = {"event_id": event_id, "event_time": now_ms(), "group_id": keys.group_id,
                   "task_id": keys.task_id, "session_id": keys.session_id, **reward.model_dump()}
         await self.publish([(TOPICS.rewards, keys.group_id, record, None)])
         return [record["event_id"]]

@@ -38,11 +38,12 @@ class GatewayClient:
         self.retry = retry
         self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    async def _call(self, method: str, path: str, body: dict | None = None,
+                    headers: dict[str, str] | None = None) -> httpx.Response:
         error = ""
         for attempt in range(self.retry.attempts):
             try:
-                response = await self.http.request(method, path, json=body)
+                response = await self.http.request(method, path, json=body, headers=headers)
             except httpx.TransportError as exc:
                 error = f"{type(exc).__name__}: {exc}"
             else:
@@ -65,8 +66,9 @@ class GatewayClient:
             raise self._refused(f"opening session {session_id}", response)
         return response.json()
 
-    async def reward(self, session_id: str, body: dict) -> None:
-        response = await self._call("POST", f"/v1/sessions/{session_id}/reward", body)
+    async def reward(self, session_id: str, body: dict, key: str) -> None:
+        """Post a reward under an idempotency key: the retries of one post are one event (counted once)."""
+        response = await self._call("POST", f"/v1/sessions/{session_id}/reward", body, {"Idempotency-Key": key})
         if response.status_code != 200:
             raise self._refused(f"a reward for session {session_id}", response)
 

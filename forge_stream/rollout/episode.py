@@ -90,7 +90,7 @@ async def run_episode(client: GatewayClient, agent: Agent, task: TaskSpec, group
     reward, ok, reason = _grade(task, result)
     try:
         await client.reward(session_id, {"value": reward, "kind": "outcome", "name": task.grader,
-                                         "source": "rollout-controller"})
+                                         "source": "rollout-controller"}, key=f"outcome:{task.grader}")
     except GatewayCallError as exc:
         return outcome(None, False, await _finish_failed(client, session_id, f"posting the reward failed: {exc}"))
     try:

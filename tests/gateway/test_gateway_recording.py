@@ -237,3 +237,20 @@ def test_streamed_usage_comes_last_when_asked_as_vllm_sends_it(kafka_bootstrap, 
     assert all(c.choices and c.usage is None for c in without)
     [record, _] = _completions(kafka_bootstrap, session["session_id"])
     assert len(record["prompt_token_ids"]) == prompt and len(record["completion_token_ids"]) == completion
+
+
+def test_a_retried_reward_with_an_idempotency_key_is_one_event(kafka_bootstrap, gateway_url, run_id):
+    session = open_session(gateway_url, run_id, "t-idem")
+    sid = session["session_id"]
+    url = f"{gateway_url}/v1/sessions/{sid}/reward"
+    first = httpx.post(url, json={"value": 1.0}, headers={"Idempotency-Key": "outcome:grader"})
+    again = httpx.post(url, json={"value": 1.0}, headers={"Idempotency-Key": "outcome:grader"})
+    other = httpx.post(url, json={"value": 0.5, "name": "bonus"}, headers={"Idempotency-Key": "outcome:bonus"})
+    plain = [httpx.post(url, json={"value": 0.1, "name": "x"}) for _ in range(2)]
+    assert all(r.status_code == 200 for r in (first, again, other, *plain))
+    assert first.json()["event_ids"] == again.json()["event_ids"] != other.json()["event_ids"]
+    assert plain[0].json()["event_ids"] != plain[1].json()["event_ids"]  # no key: every post is its own event
+    bad = httpx.post(url, json={"value": 1.0}, headers={"Idempotency-Key": "x" * 300})
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "Idempotency-Key"
+    rewards = read_events(kafka_bootstrap, TOPICS.rewards, lambda r: r["session_id"] == sid)
+    assert len(rewards) == 5 and len({r["event_id"] for r in rewards}) == 4

@@ -197,3 +197,15 @@ def test_advantage_setting_reaches_the_sample():
         per_session.setdefault(cid.rsplit("-c", 1)[0], set()).add(adv)
     assert all(len(advs) == 1 for advs in per_session.values())  # one advantage per rollout
     assert by_mode["rollout"] != by_mode["turn"]
+
+
+def test_a_reward_delivered_twice_with_one_event_id_counts_once():
+    """A retried reward post with an Idempotency-Key is the same event id (the gateway derives it from the key);
+    the group counts it once, while a second reward with its own id adds up."""
+    events = [task(2), started("a"), started("b"),
+              completion("a", 0, 0, [1, 2], [3], t=T0 + 10), completion("b", 0, 0, [1, 2], [4], t=T0 + 10),
+              outcome("a", 1.0), outcome("a", 1.0), outcome("b", 0.5), outcome("b", 0.25, name="bonus"),
+              finished("a", 1), finished("b", 1)]
+    _, out = run(events)
+    outcomes = {t["session_id"]: t["outcome_reward"] for t in of(out, "Trajectory")}
+    assert outcomes == {"a": 1.0, "b": 0.75}
