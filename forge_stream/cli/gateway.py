@@ -27,6 +27,9 @@ def serve(
     shed_retry_after_s: float = typer.Option(1.0, help="Retry-After of a shed call (also as retry-after-ms)."),
     max_open_sessions: int = typer.Option(100_000, help="Open sessions; past it POST /v1/sessions gets 429."),
     finished_sessions_kept: int = typer.Option(10_000, help="Finished sessions remembered (late calls: 409)."),
+    keep_alive_s: float = typer.Option(
+        30.0, help="Idle keep-alive connections are closed after this; longer than clients' own idle expiry (httpx, "
+                   "so the OpenAI SDK: 5 s), so a client never reuses a connection the gateway is closing."),
     policy_version: int = typer.Option(0, help="Policy version for engines whose responses carry none."),
     engine_logprobs_mode: str = typer.Option(
         "processed", help="What the engines' logprobs are, recorded on each Completion: processed (of the "
@@ -47,4 +50,5 @@ def serve(
         shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
         finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
         engine_logprobs_mode=engine_logprobs_mode)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=keep_alive_s)
