@@ -33,7 +33,7 @@ from forge_stream.topics import TOPICS
 
 
 @contextmanager
-def _process(args: list[str], health_url: str, log: Path):
+def server_process(args: list[str], health_url: str, log: Path):
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -113,10 +113,10 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
-        stack.enter_context(_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+        stack.enter_context(server_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
                                       "--reply", "The answer is 42, computed by the scripted engine."],
                                      f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
-        gateway = stack.enter_context(_process(
+        gateway = stack.enter_context(server_process(
             ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
              f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka],
             f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))

@@ -50,6 +50,25 @@ def gateway(
     emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers), as_json)
 
 
+@app.command("load")
+def load(
+    agents: int = typer.Option(200, help="Concurrent agents (each: session, tool call, tool result, finish, again)."),
+    seconds: float = typer.Option(60.0, help="How long the agents run."),
+    max_in_flight: int = typer.Option(64, help="The gateway's --max-in-flight."),
+    max_waiting: int = typer.Option(64, help="The gateway's --max-waiting."),
+    retry_after_s: float = typer.Option(0.5, help="The gateway's --shed-retry-after-s."),
+    engine_delay_ms: float = typer.Option(50.0, help="Time the scripted engine takes per completion."),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+) -> None:
+    """Many agents against the gateway for a fixed time: shed answers, acknowledged vs recorded, p99, peak RSS."""
+    from forge_stream.bench.load import LoadSettings, run
+
+    emit(run(LoadSettings(agents=agents, seconds=seconds, max_in_flight=max_in_flight, max_waiting=max_waiting,
+                          retry_after_s=retry_after_s, engine_delay_ms=engine_delay_ms,
+                          bootstrap=bootstrap_servers)), as_json)
+
+
 @app.command("scheduler")
 def scheduler(
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),

@@ -21,6 +21,15 @@ def serve(
     max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
     max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
     ack_timeout_ms: int = typer.Option(10_000, help="Kafka acknowledgement timeout (then 503)."),
+    max_in_flight: int = typer.Option(256, help="OpenAI calls served at once (engine call until Kafka's ack)."),
+    max_waiting: int = typer.Option(1024, help="Calls waiting for a slot; past it a call is shed with 429."),
+    max_wait_s: float = typer.Option(30.0, help="A call that waited this long for a slot is shed with 503."),
+    shed_retry_after_s: float = typer.Option(1.0, help="Retry-After of a shed call (also as retry-after-ms)."),
+    max_open_sessions: int = typer.Option(100_000, help="Open sessions; past it POST /v1/sessions gets 429."),
+    finished_sessions_kept: int = typer.Option(10_000, help="Finished sessions remembered (late calls: 409)."),
+    keep_alive_s: float = typer.Option(
+        30.0, help="Idle keep-alive connections are closed after this; longer than clients' own idle expiry (httpx, "
+                   "so the OpenAI SDK: 5 s), so a client never reuses a connection the gateway is closing."),
     policy_version: int = typer.Option(0, help="Policy version for engines whose responses carry none."),
     engine_logprobs_mode: str = typer.Option(
         "processed", help="What the engines' logprobs are, recorded on each Completion: processed (of the "
@@ -37,6 +46,9 @@ def serve(
     gateway = GatewaySettings(
         engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
-        ack_timeout_ms=ack_timeout_ms, default_policy_version=policy_version,
+        ack_timeout_ms=ack_timeout_ms, max_in_flight=max_in_flight, max_waiting=max_waiting, max_wait_s=max_wait_s,
+        shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
+        finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
         engine_logprobs_mode=engine_logprobs_mode)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=keep_alive_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -86,7 +87,10 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
-        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        headers = None
+        if exc.retry_after is not None:  # whole seconds (HTTP), and ms (the OpenAI SDKs read retry-after-ms first)
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after))),
+                       "retry-after-ms": str(round(exc.retry_after * 1000))}
         return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
 
     @app.exception_handler(BodyRejected)

@@ -16,7 +16,7 @@ class GatewayError(Exception):
     """An error answered with OpenAI's body {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 retry_after: int | None = None, raw: bytes | None = None, code: str | None = None):
+                 retry_after: float | None = None, raw: bytes | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
         self.raw = raw  # an engine's own error body, passed through as is

@@ -158,7 +158,8 @@ async def models(request: Request) -> Response:
 @router.get("/health")
 async def health(request: Request) -> dict:
     service = _service(request)
-    return {"status": "ok", "sessions": len(service.sessions),
+    return {"status": "ok", "sessions": len(service.sessions), "open_sessions": service.sessions.open,
+            "admission": service.admission.view(),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 

@@ -8,15 +8,17 @@ with tools whose last message is not a tool result gets `tool_call` (if set), a 
 is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
 each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
 `stop_reason`; a last chunk with `usage` and no choices when `stream_options.include_usage` is set; plus
-`policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids.
+`policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids. With `delay_s` each
+completion takes that long (a stand-in for decoding time, for load tests).
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
-Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids]
+Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import time
 import uuid
@@ -65,6 +67,7 @@ class ScriptedEngine:
     token_ids: bool = True
     policy_version: int = 0
     tool_call: str | None = None
+    delay_s: float = 0.0
 
     def __post_init__(self):
         self._script = itertools.cycle(self.replies)
@@ -173,6 +176,8 @@ class ScriptedEngine:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         path = scope["path"]
+        if self.delay_s and path in ("/v1/chat/completions", "/v1/completions"):
+            await asyncio.sleep(self.delay_s)
         if path == "/v1/chat/completions":
             result = self.chat(orjson.loads(body))
         elif path == "/v1/completions":
@@ -213,11 +218,12 @@ def main() -> None:
     parser.add_argument("--tool-call", default=None)
     parser.add_argument("--no-token-ids", action="store_true")
     parser.add_argument("--policy-version", type=int, default=0)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="time each completion takes")
     args = parser.parse_args()
     import uvicorn
 
     engine = ScriptedEngine(tuple(args.reply or ScriptedEngine.replies), not args.no_token_ids, args.policy_version,
-                            args.tool_call)
+                            args.tool_call, args.delay_ms / 1000)
     uvicorn.run(engine, host=args.host, port=args.port, log_level="warning", access_log=False,
                 loop="auto", http="auto", lifespan="on")
 

@@ -21,6 +21,7 @@ import asyncio
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import Protocol
 
 import aiohttp
@@ -28,6 +29,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
+from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
@@ -200,8 +202,11 @@ class GatewayService:
         self.settings = settings
         self.sink = sink
         self.http = http
-        self.sessions = SessionStore()
+        self.sessions = SessionStore(settings.max_open_sessions, settings.finished_sessions_kept,
+                                     settings.shed_retry_after_s)
         self.pool = EnginePool(settings.engines, settings.max_queue)
+        self.admission = Admission(settings.max_in_flight, settings.max_waiting, settings.max_wait_s,
+                                   settings.shed_retry_after_s)
 
     def unavailable(self, message: str) -> GatewayError:
         return GatewayError(503, message, "service_unavailable", retry_after=self.settings.retry_after_s)
@@ -241,6 +246,7 @@ class GatewayService:
         session_id = request.session_id or new_event_id()
         if session_id in self.sessions:
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
+        self.sessions.check_room()
         session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
         path = f"/s/{session_id}/v1"
         base_url = (self.settings.public_url or public_base).rstrip("/") + path
@@ -304,6 +310,9 @@ class GatewayService:
         session.status = "finished"
         session.pending.clear()
         session.responses.clear()
+        session.explicit.clear()
+        session.span_ids.clear()
+        self.sessions.finished(session)
         return [record["event_id"]]
 
     # ----- engines ---------------------------------------------------------------------------------------
@@ -353,6 +362,20 @@ class GatewayService:
         n = check_request(kind, body, self.settings)
         if len(agent) > self.settings.max_id_length:
             raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.", "X-Forge-Agent")
+        lease = await self.admission.acquire()  # shed (429/503) here, before any state changes
+        try:
+            result = await self._forward(session, kind, body, agent, received, n, lease)
+        except BaseException:
+            lease.release()
+            raise
+        if isinstance(result, bytes):
+            lease.release()
+        return result
+
+    async def _forward(self, session: Session, kind: Kind, body: dict, agent: str, received: int, n: int,
+                       lease: Lease) -> bytes | AsyncIterator[bytes]:
+        """`complete` past admission; a stream takes over `lease` and releases it when it ends."""
+        session.require_open()  # again: it may have been finished while this call waited for a slot
         answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
         session.take_answered([call for call, _ in answered])
         spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
@@ -377,7 +400,7 @@ class GatewayService:
             session.restore(taken)
             raise
         if stream:
-            return self._relay(session, ctx, response, engine, n, spans, taken, hide)
+            return self._relay(session, ctx, response, engine, n, spans, taken, hide, lease)
         done = now_ms()
         data = orjson.loads(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
@@ -410,9 +433,19 @@ class GatewayService:
 
     async def _relay(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
                      engine: Engine, n: int, spans: list[dict], taken: list[PendingCall],
-                     hide: tuple[bool, bool]) -> AsyncIterator[bytes]:
+                     hide: tuple[bool, bool], lease: Lease) -> AsyncIterator[bytes]:
         """Forward the engine's SSE events as they come (without the fields in `hide`); record, then send
-        [DONE] (or an error event)."""
+        [DONE] (or an error event); the admission `lease` is released at the end."""
+        try:
+            async with aclosing(self._relay_events(session, ctx, response, engine, n, spans, taken, hide)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            lease.release()
+
+    async def _relay_events(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
+                            engine: Engine, n: int, spans: list[dict], taken: list[PendingCall],
+                            hide: tuple[bool, bool]) -> AsyncIterator[bytes]:
         acc = StreamAccumulator(ctx.kind, n)
         buffer, done, engine_error = b"", False, False
         try:

@@ -3,12 +3,17 @@ the Responses API's stored responses.
 
 It lives in memory: a restart loses the open sessions (their later calls get 404) and their pending tool calls
 (those spans are not inferred), but never an event already acknowledged, since those are in Kafka.
+
+Memory is bounded: at most `max_open` sessions are open (creating one more is refused with 429), and finished
+sessions, stripped of their pending calls and stored responses, are kept only so that a late call gets 409; past
+`finished_kept` of them the oldest is forgotten (a late call then gets 404).
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from forge_stream.gateway.protocol import GatewayError
@@ -54,9 +59,28 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self):
+    def __init__(self, max_open: int = 100_000, finished_kept: int = 10_000, retry_after_s: float = 1.0):
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[str, str] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # oldest first
+        self.max_open, self.finished_kept, self.retry_after_s = max_open, finished_kept, retry_after_s
+
+    @property
+    def open(self) -> int:
+        return len(self._sessions) - len(self._finished)
+
+    def check_room(self) -> None:
+        """429 when `max_open` sessions are open already (checked before a new one is recorded)."""
+        if self.open >= self.max_open:
+            raise GatewayError(429, f"{self.open} sessions are open, the gateway's limit; finish some first.",
+                               "rate_limit_error", retry_after=self.retry_after_s)
+
+    def finished(self, session: Session) -> None:
+        """Note that `session` finished; forget the oldest finished sessions past `finished_kept`."""
+        self._finished[session.id] = None
+        while len(self._finished) > self.finished_kept:
+            old, _ = self._finished.popitem(last=False)
+            self._by_token.pop(self._sessions.pop(old).token, None)
 
     def new(self, keys: SessionKeys, metadata: dict[str, str]) -> Session:
         return Session(keys, "fs-" + secrets.token_urlsafe(24), metadata)

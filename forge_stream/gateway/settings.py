@@ -33,6 +33,16 @@ class GatewaySettings:
     ack_timeout_ms: int = 10_000  # Kafka delivery timeout; past it the caller gets 503 and nothing is recorded
     linger_ms: float = 2.0  # producer batching: more acks per Kafka request vs latency at low load
     retry_after_s: int = 2
+    # Admission (forge_stream.gateway.admission): OpenAI calls served at once (engine call through Kafka's ack),
+    # and calls waiting for a slot; past both the call is shed with 429, after max_wait_s waiting with 503
+    max_in_flight: int = 256
+    max_waiting: int = 1024
+    max_wait_s: float = 30.0
+    shed_retry_after_s: float = 1.0  # Retry-After of a shed call (also sent as retry-after-ms, which the SDK reads)
+    # Sessions kept in memory: past max_open_sessions, POST /v1/sessions is 429; finished sessions are kept (a
+    # later call gets 409) up to finished_sessions_kept, the oldest forgotten first (a later call gets 404)
+    max_open_sessions: int = 100_000
+    finished_sessions_kept: int = 10_000
     default_policy_version: int = 0  # for engines (vLLM) whose responses carry no policy_version
     # what the engines' logprobs are (recorded on each Completion): "processed" = of the distribution sampled
     # from (the local engine's default; vLLM with --logprobs-mode processed_logprobs), "raw" = temperature 1

@@ -1,0 +1,242 @@
+"""Load benchmark of the gateway: many concurrent agents for a fixed time, then a check against Kafka that every
+acknowledged answer was recorded, once.
+
+A scripted engine (its own process, `delay_ms` per completion) and the gateway (`forge-stream gateway serve`, with
+a bounded number of calls in flight and waiting) run on the bench's own broker unless one is given. Each agent is
+an asyncio task on one shared httpx client: it opens a session, asks a chat completion with a calculator tool (the
+engine answers a tool call), sends the tool result (the engine answers text), finishes the session, and starts
+over until the time is up. Every chat call carries a unique id at the end of its last message; a 200 answer puts
+it in `acknowledged`, a 429/503 in `shed` (the agent waits the answer's retry-after-ms, then retries with a new id).
+
+After the run the completions topic is read back (read_committed, from the offsets before the run): `lost` counts
+acknowledged ids missing from it, `duplicates` ids recorded more than once, `shed_recorded` shed ids recorded
+anyway (all three must be 0). `p50_ms`/`p99_ms` are the latencies of successful chat calls; `rss_mb_max` the
+gateway's peak resident memory, sampled from /proc/<pid>/status while the agents run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+import uuid
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+from forge_stream.bench import bench_kafka
+from forge_stream.bench.gateway import server_process
+from forge_stream.kafka.admin import end_offsets
+from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.topics import TOPICS
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}}}}}]
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    agents: int = 200
+    seconds: float = 60.0
+    max_in_flight: int = 64  # the gateway's admission bounds
+    max_waiting: int = 64
+    retry_after_s: float = 0.5  # the gateway's Retry-After on a shed call
+    engine_delay_ms: float = 50.0  # time the scripted engine takes per completion
+    client_timeout_s: float = 30.0
+    bootstrap: str | None = None
+
+
+@dataclass
+class Tally:
+    acknowledged: set[str] = field(default_factory=set)
+    shed_ids: set[str] = field(default_factory=set)
+    shed: Counter = field(default_factory=Counter)  # status -> count
+    shed_without_retry_after: int = 0
+    errors: Counter = field(default_factory=Counter)  # other non-2xx status (or exception name) -> count
+    latencies_ms: list[float] = field(default_factory=list)
+    sessions: int = 0
+
+
+def _retry_delay(response: httpx.Response) -> float | None:
+    ms = response.headers.get("retry-after-ms")
+    if ms is not None:
+        return float(ms) / 1000
+    seconds = response.headers.get("retry-after")
+    return float(seconds) if seconds is not None else None
+
+
+async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, deadline: float,
+                chat: bool = False) -> httpx.Response | None:
+    """POST until answered other than 429/503 (waiting each shed answer's delay); None past the deadline or on
+    any other failure. `make_body(call_id)` builds each attempt's body."""
+    while time.monotonic() < deadline:
+        call_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        try:
+            response = await client.post(path, content=orjson.dumps(make_body(call_id)),
+                                         headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            tally.errors[type(exc).__name__] += 1
+            return None
+        if response.status_code in (429, 503):
+            tally.shed[response.status_code] += 1
+            if chat:
+                tally.shed_ids.add(call_id)
+            delay = _retry_delay(response)
+            if delay is None:
+                tally.shed_without_retry_after += 1
+            await asyncio.sleep(delay or 1.0)
+            continue
+        if response.status_code >= 300:
+            tally.errors[response.status_code] += 1
+            return None
+        if chat:
+            tally.acknowledged.add(call_id)
+            tally.latencies_ms.append((time.perf_counter() - start) * 1000)
+        return response
+    return None
+
+
+def _tagged(text: str, call_id: str) -> str:
+    return f"{text} #{call_id}"
+
+
+async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: float, tally: Tally) -> None:
+    episode = 0
+    while time.monotonic() < deadline:
+        session_id = f"{run}-{index}-{episode}"
+        episode += 1
+        opened = await _post(client, "/v1/sessions", lambda _: {
+            "session_id": session_id, "group_id": f"{run}-{index}", "task_id": "load"}, tally, deadline)
+        if opened is None:
+            return
+        chat = f"/s/{session_id}/v1/chat/completions"
+        messages = [{"role": "system", "content": "You are a load-test agent."}]
+        first = await _post(client, chat, lambda call_id: {
+            "model": "scripted", "max_tokens": 256, "tools": TOOLS,
+            "messages": messages + [{"role": "user", "content": _tagged("What is 6*7?", call_id)}]},
+            tally, deadline, chat=True)
+        if first is None:
+            return
+        sent = orjson.loads(first.request.content)["messages"]
+        message = first.json()["choices"][0]["message"]
+        calls = message.get("tool_calls") or []
+        history = sent + [message]
+        second = await _post(client, chat, lambda call_id: {
+            "model": "scripted", "max_tokens": 256, "tools": TOOLS,
+            "messages": history + [{"role": "tool", "tool_call_id": calls[0]["id"] if calls else "none",
+                                    "content": _tagged("42", call_id)}]}, tally, deadline, chat=True)
+        if second is None:
+            return
+        if await _post(client, f"/v1/sessions/{session_id}/finish", lambda _: {"status": "ok"},
+                       tally, deadline) is None:
+            return
+        tally.sessions += 1
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, tally: Tally) -> dict:
+    limits = httpx.Limits(max_connections=settings.agents + 8, max_keepalive_connections=settings.agents + 8)
+    samples: list[float] = []
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        while not stop.is_set():
+            samples.append(_rss_mb(pid))
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except TimeoutError:
+                pass
+
+    async with httpx.AsyncClient(base_url=gateway_url, limits=limits,
+                                 timeout=settings.client_timeout_s) as client:
+        sampler = asyncio.create_task(sample())
+        start = time.monotonic()
+        deadline = start + settings.seconds
+        await asyncio.gather(*(_agent(client, run, i, deadline, tally) for i in range(settings.agents)))
+        elapsed = time.monotonic() - start
+        stop.set()
+        await sampler
+        health = (await client.get("/health")).json()
+    return {"elapsed_s": elapsed, "rss_mb_start": samples[0], "rss_mb_max": max(samples),
+            "rss_mb_end": samples[-1], "health": health}
+
+
+def _read_back(bootstrap: str, before: dict[int, int], run: str) -> Counter:
+    """How many times each call id was recorded in forge.completions since `before`."""
+    seen: Counter = Counter()
+    for event in read_slice(bootstrap, TOPICS.completions, Slice(start_offsets=before)):
+        record = event.record
+        if record["session_id"].startswith(run + "-"):
+            last = orjson.loads(record["messages_json"])[-1]
+            seen[str(last.get("content") or "").rsplit("#", 1)[-1]] += 1
+    return seen
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
+
+
+def run(settings: LoadSettings = LoadSettings()) -> dict:
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = asyncio.new_event_loop
+    run_id = "load-" + uuid.uuid4().hex[:8]
+    tally = Tally()
+    with tempfile.TemporaryDirectory(prefix="forge-bench-load-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        kafka = stack.enter_context(bench_kafka(settings.bootstrap, work))
+        engine_port, gateway_port = free_port(), free_port()
+        stack.enter_context(server_process(
+            ["-m", "forge_stream.gateway.scripted", "--port", str(engine_port), "--reply", "The answer is 42.",
+             "--tool-call", CALL, "--delay-ms", str(settings.engine_delay_ms)],
+            f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
+        gateway = stack.enter_context(server_process(
+            ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
+             f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
+             "--max-in-flight", str(settings.max_in_flight), "--max-waiting", str(settings.max_waiting),
+             "--shed-retry-after-s", str(settings.retry_after_s)],
+            f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))
+        before = end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions)
+        loop = loop_factory()
+        try:
+            driven = loop.run_until_complete(_drive(settings, f"http://127.0.0.1:{gateway_port}", gateway.pid,
+                                                    run_id, tally))
+        finally:
+            loop.close()
+        seen = _read_back(kafka, before, run_id)
+    health = driven.pop("health")
+    return {
+        "agents": settings.agents, "seconds": settings.seconds, "elapsed_s": driven["elapsed_s"],
+        "acknowledged": len(tally.acknowledged),
+        "lost": len(tally.acknowledged - seen.keys()),
+        "duplicates": sum(count - 1 for count in seen.values()),
+        "shed_recorded": len(tally.shed_ids & seen.keys()),
+        "shed": sum(tally.shed.values()), "shed_429": tally.shed[429], "shed_503": tally.shed[503],
+        "shed_without_retry_after": tally.shed_without_retry_after,
+        "errors": {str(k): v for k, v in tally.errors.items()},
+        "acknowledged_per_s": len(tally.acknowledged) / driven["elapsed_s"],
+        "sessions_finished": tally.sessions,
+        "p50_ms": _percentile(tally.latencies_ms, 0.50), "p99_ms": _percentile(tally.latencies_ms, 0.99),
+        "rss_mb_start": driven["rss_mb_start"], "rss_mb_max": driven["rss_mb_max"],
+        "rss_mb_end": driven["rss_mb_end"],
+        "gateway_sessions_kept": health["sessions"], "gateway_open_sessions": health["open_sessions"],
+        "max_in_flight": settings.max_in_flight, "max_waiting": settings.max_waiting,
+        "engine_delay_ms": settings.engine_delay_ms,
+    }
