@@ -23,6 +23,27 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 _SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # a past turn's reasoning: no chat prompt holds it
 
+# JSON schema of a Messages request as far as `to_chat` reads it, for the OpenAPI document
+_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "tool_use", "tool_result"]}, "text": {"type": "string"}, "id": {"type": "string"},
+    "name": {"type": "string"}, "input": {"type": "object"}, "tool_use_id": {"type": "string"},
+    "content": {"type": "string"}, "is_error": {"type": "boolean"}}}
+SCHEMA = {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["user", "assistant"]},
+                       "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]}}}},
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "input_schema": {"type": "object"}}}},
+    "tool_choice": {"type": "object", "required": ["type"],
+                    "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"}}},
+    "stop_sequences": {"type": "array", "items": {"type": "string"}},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    "stream": {"type": "boolean"}}}
+
 
 def bad_request(message: str) -> GatewayError:
     """A request Anthropic's API would refuse: 400 invalid_request_error."""

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from forge_stream import httpbody
-from forge_stream.gateway.messages import anthropic_error
+from forge_stream.gateway.messages import SCHEMA as MESSAGES, anthropic_error
 from forge_stream.gateway.protocol import (
     CHAT, COMPLETION, FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
 )
@@ -126,12 +126,12 @@ async def _message(request: Request, session_id: str | None) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-@router.post("/s/{session_id}/v1/messages")
+@router.post("/s/{session_id}/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
 async def session_messages(session_id: str, request: Request) -> Response:
     return await _message(request, session_id)
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
 async def messages(request: Request) -> Response:
     return await _message(request, None)
 
