@@ -8,7 +8,8 @@ with tools whose last message is not a tool result gets `tool_call` (if set), a 
 is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
 each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
 `stop_reason` (the `stop` string that cut a reply); a last chunk with `usage` and no choices when
-`stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids.
+`stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it behaves as an engine
+that cannot return ids.
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
 Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids]
