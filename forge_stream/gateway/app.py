@@ -101,7 +101,7 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:  # no route matched
             return _error(404, f"{request.method} {request.url.path} is not supported by the forge-stream gateway "
-                               "(it serves chat/completions, completions, responses and models).")
+                               "(it serves chat/completions, completions, responses, messages and models).")
         return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)

@@ -1,8 +1,10 @@
 """The gateway's HTTP surface: thin FastAPI routes over the GatewayService kept in `app.state.gateway`.
 
 Agents: `/s/{session_id}/v1/chat/completions`, `/s/{session_id}/v1/completions`, `/s/{session_id}/v1/responses`
-(the Responses API, served through the chat path), `/s/{session_id}/v1/models`, or
+(the Responses API, served through the chat path), `/s/{session_id}/v1/messages` (Anthropic's Messages API, also
+through the chat path, with Anthropic's error bodies), `/s/{session_id}/v1/models`, or
 the same under `/v1/...` with the session named by `X-Forge-Session` (or by the agent's own bearer token).
+A token is read from `Authorization: Bearer` or, as the anthropic SDK sends it, `x-api-key`.
 `X-Forge-Agent` names which agent of a multi-agent rollout asked. Controllers and graders: `POST /v1/sessions`,
 `GET /v1/sessions/{id}`, `POST /v1/sessions/{id}/reward`, `/spans`, `/finish`.
 """
@@ -16,10 +18,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from forge_stream import httpbody
+from forge_stream.gateway.messages import SCHEMA as MESSAGES, anthropic_error
 from forge_stream.gateway.protocol import (
     CHAT, COMPLETION, FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
 )
 from forge_stream.gateway.serving import GatewayService
+from forge_stream.httpbody import BodyRejected
 from forge_stream.gateway.sessions import Session
 
 router = APIRouter()
@@ -47,10 +51,12 @@ async def read_model(request: Request, model: type[BaseModel]):
 
 
 def _bearer(request: Request) -> str | None:
+    """The caller's token: `Authorization: Bearer ...`, else `x-api-key` (the anthropic SDK's header)."""
     header = request.headers.get("authorization")
     if header and header[:7].lower() == "bearer " and header.isascii():  # tokens are ASCII; others match none
         return header[7:].strip()
-    return None
+    key = request.headers.get("x-api-key")
+    return key.strip() if key and key.isascii() else None
 
 
 def _unauthorized(message: str) -> GatewayError:
@@ -103,6 +109,31 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
     if isinstance(result, bytes):
         return Response(result, media_type=JSON)
     return StreamingResponse(result, media_type="text/event-stream")
+
+
+async def _message(request: Request, session_id: str | None) -> Response:
+    """An agent's Anthropic Messages call; every error answered in Anthropic's shape."""
+    try:
+        session = agent_session(request, session_id)
+        body = await read_json(request)
+        result = await _service(request).message(session, body, request.headers.get("x-forge-agent", ""))
+    except BodyRejected as exc:
+        raise anthropic_error(exc.status, exc.message) from exc
+    except GatewayError as exc:
+        raise anthropic_error(exc.status, exc.message, exc.retry_after, exc.raw) from exc
+    if isinstance(result, bytes):
+        return Response(result, media_type=JSON)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@router.post("/s/{session_id}/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
+async def session_messages(session_id: str, request: Request) -> Response:
+    return await _message(request, session_id)
+
+
+@router.post("/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
+async def messages(request: Request) -> Response:
+    return await _message(request, None)
 
 
 @router.post("/s/{session_id}/v1/responses")

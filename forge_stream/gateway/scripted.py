@@ -7,9 +7,10 @@ with tools whose last message is not a tool result gets `tool_call` (if set), a 
 "arguments": {...}}</tool_call>` text answered as a tool call (finish_reason "tool_calls"). The logprob of token t
 is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
 each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
-`stop_reason`; a last chunk with `usage` and no choices when `stream_options.include_usage` is set; plus
-`policy_version`. With `token_ids=False` it behaves as an engine that cannot return ids. With `delay_s` each
-completion takes that long (a stand-in for decoding time, for load tests).
+`stop_reason` (the `stop` string that cut a reply); a last chunk with `usage` and no choices when
+`stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it behaves as an engine
+that cannot return ids. With `delay_s` each completion takes that long (a stand-in for decoding time, for load
+tests).
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
 Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
@@ -72,16 +73,23 @@ class ScriptedEngine:
     def __post_init__(self):
         self._script = itertools.cycle(self.replies)
 
-    def _outputs(self, body: dict, n: int) -> list[tuple[str, list[int], str]]:
+    def _outputs(self, body: dict, n: int) -> list[tuple[str, list[int], str, str | None]]:
+        """(text, token ids, finish_reason, stop_reason) per choice; a reply is cut before the first stop string
+        it contains (which ends it, as in vLLM, without EOS and without the stop string)."""
         out = []
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 1 << 30
         messages = body.get("messages") or [{}]
         call = self.tool_call if body.get("tools") and messages[-1].get("role") != "tool" else None
+        stops = body.get("stop") or ()
+        stops = [stops] if isinstance(stops, str) else stops
         for _ in range(n):
             text = call or next(self._script)
-            ids = (encode(text) + [EOS])[:limit]
-            finish = "stop" if len(ids) == len(encode(text)) + 1 else "length"
-            out.append((decode(ids), ids, finish))
+            matched = min((s for s in stops if s and s in text), key=text.index, default=None)
+            if matched is not None:
+                text = text[:text.index(matched)]
+            ids = (encode(text) + ([] if matched else [EOS]))[:limit]
+            finish = "stop" if len(ids) == len(encode(text)) + (not matched) else "length"
+            out.append((decode(ids), ids, finish, matched if finish == "stop" else None))
         return out
 
     def chat(self, body: dict) -> bytes | list[bytes]:
@@ -93,12 +101,12 @@ class ScriptedEngine:
         if body.get("stream"):
             return self._chat_stream(head, prompt, outputs, ids_on, body)
         choices = []
-        for i, (text, ids, finish) in enumerate(outputs):
+        for i, (text, ids, finish, matched) in enumerate(outputs):
             message = {"role": "assistant", "content": text}
             calls = tool_calls(text) if body.get("tools") else None
             if calls:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-            choices.append({"index": i, "message": message, "finish_reason": finish, "stop_reason": None,
+            choices.append({"index": i, "message": message, "finish_reason": finish, "stop_reason": matched,
                             "logprobs": {"content": [{"token": decode([t]), "logprob": logprob(t), "bytes": None,
                                                       "top_logprobs": []} for t in ids]}
                             if body.get("logprobs") else None,
@@ -114,7 +122,7 @@ class ScriptedEngine:
             return b"data: " + orjson.dumps({**head, "choices": choices, **extra}) + b"\n\n"
 
         events = []
-        for i, (text, ids, finish) in enumerate(outputs):
+        for i, (text, ids, finish, matched) in enumerate(outputs):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
             events.append(chunk([first], prompt_token_ids=prompt if ids_on else None))
@@ -130,6 +138,7 @@ class ScriptedEngine:
                     "logprobs": {"content": [{"token": decode([t]), "logprob": logprob(t), "bytes": None,
                                               "top_logprobs": []}]} if body.get("logprobs") else None,
                     "finish_reason": ("tool_calls" if calls else finish) if last else None,
+                    "stop_reason": matched if last else None,
                     "token_ids": [t] if ids_on else None}]))
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append(chunk([], usage=_usage(len(prompt), sum(len(o[1]) for o in outputs))))
@@ -145,10 +154,10 @@ class ScriptedEngine:
         choices, total = [], 0
         for p, prompt in enumerate(prompts):
             prompt_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
-            for j, (text, ids, finish) in enumerate(self._outputs(body, n)):
+            for j, (text, ids, finish, matched) in enumerate(self._outputs(body, n)):
                 total += len(prompt_ids) + len(ids)
                 choices.append({
-                    "index": p * n + j, "text": text, "finish_reason": finish, "stop_reason": None,
+                    "index": p * n + j, "text": text, "finish_reason": finish, "stop_reason": matched,
                     "logprobs": {"tokens": [decode([t]) for t in ids], "token_logprobs": [logprob(t) for t in ids],
                                  "top_logprobs": [None] * len(ids), "text_offset": list(range(len(ids)))}
                     if body.get("logprobs") is not None else None,

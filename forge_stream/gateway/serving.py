@@ -29,6 +29,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
+from forge_stream.gateway import messages
 from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
@@ -490,6 +491,19 @@ class GatewayService:
             yield b"data: " + exc.body() + b"\n\n"
             return
         yield b"data: [DONE]\n\n"
+
+    # ----- Anthropic Messages API ---------------------------------------------------------------------------
+
+    async def message(self, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
+        """Serve an Anthropic Messages request through the chat path (so it is recorded as chat); returns the
+        Message body, or its SSE event stream."""
+        session.require_open()
+        chat = messages.to_chat(body)
+        message_id = "msg_" + new_event_id()
+        result = await self.complete(session, "chat", chat, agent)
+        if isinstance(result, bytes):
+            return orjson.dumps(messages.message_object(message_id, body, orjson.loads(result)))
+        return messages.events(message_id, body, result)
 
     # ----- Responses API -----------------------------------------------------------------------------------
 

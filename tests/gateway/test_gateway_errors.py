@@ -146,5 +146,5 @@ def test_unsupported_openai_routes_are_named_in_a_404(gateway_url, run_id):
         client.embeddings.create(model="scripted", input="hi")
     path = f"/s/{session['session_id']}/v1/embeddings"
     assert embeddings.value.body["message"] == (f"POST {path} is not supported by the forge-stream gateway (it serves "
-                                        "chat/completions, completions, responses and models).")
+                                        "chat/completions, completions, responses, messages and models).")
     assert embeddings.value.body["type"] == "not_found_error"
