@@ -144,7 +144,7 @@ def under_torchrun() -> bool:
 def launch(nproc: int, argv: Sequence[str]) -> int:
     """Run `python -m forge_stream ARGV` as `nproc` ranks under torchrun on this machine; its exit status."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "forge_stream", *argv]
+               "-m", "forge_stream", "--", *argv]  # "--": torchrun's parser would take --nproc, --run for its own
     return subprocess.run(command).returncode
 
 
