@@ -1,8 +1,10 @@
-"""`forge-stream train`: the trainer process (windowed FIFO consumer + tree-packed CISPO or PPO + policy publishing)."""
+"""`forge-stream train`: the trainer process (windowed FIFO consumer + tree-packed CISPO or PPO + policy publishing);
+`--nproc N` runs it as N torch.distributed ranks under torchrun (forge_stream.trainer.distributed)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -44,15 +46,26 @@ def train(
     token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
     wait_s: float = typer.Option(5.0, help="Train a partial batch after waiting this long for a full one."),
     from_now: bool = typer.Option(False, help="A new run trains only on tasks submitted from now on."),
+    nproc: int = typer.Option(1, help="Data-parallel ranks on this machine (torchrun; gloo on CPU, NCCL with one "
+                                      "GPU per rank)."),
+    fsdp: bool = typer.Option(False, help="Shard the model over the ranks with FSDP (GPU only)."),
 ) -> None:
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
+    import torch.distributed
+
     from forge_stream.scheduler.consumer import SchedulerSettings
+    from forge_stream.trainer import distributed
     from forge_stream.trainer.service import TrainerSettings, run_trainer
     from forge_stream.trainer.step import StepConfig, clip_for
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (nproc > 1 or fsdp) and not distributed.under_torchrun():
+        raise typer.Exit(distributed.launch(nproc, sys.argv[1:]))
+    ranks = distributed.from_env(fsdp) if distributed.under_torchrun() else None
+    rank = "" if ranks is None else f"rank {ranks.rank} "
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
-    ready_kafka(cfg.bootstrap)
+    if ranks is None or ranks.is_main:
+        ready_kafka(cfg.bootstrap)
     scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
                                   window=parse_window(window), rollout_slots=rollout_slots,
                                   group_timeout_s=group_timeout, max_staleness=max_staleness,
@@ -62,4 +75,8 @@ def train(
                               step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr,
                                               token_budget=token_budget),
                               wait_s=wait_s, from_now=from_now)
-    run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True))
+    try:
+        run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True), ranks=ranks)
+    finally:
+        if ranks is not None:
+            torch.distributed.destroy_process_group()

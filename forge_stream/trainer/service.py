@@ -11,6 +11,10 @@
 A restart resumes from the checkpoint of the last committed step, so a step that crashed before its TrainStep
 is trained again from the same weights and nothing is trained twice. Checkpoint folders carry a per-attempt
 suffix so a re-trained version never overwrites weights an engine may already serve.
+
+Under torchrun (`forge-stream train --nproc N`, forge_stream.trainer.distributed) rank 0 alone does all of the
+above that touches Kafka or the checkpoint folder; the other ranks `follow`: they receive each batch from rank 0,
+take the same step on their share of it, and stop when rank 0 sends None.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 
 import torch
 from confluent_kafka import Consumer, TopicPartition
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.events import deterministic_id, now_ms
@@ -32,10 +38,12 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.kafka.consumer import consumer_config
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover, start_at_end
 from forge_stream.topics import TOPICS
+from forge_stream.trainer.distributed import DataParallel, shard_model
 from forge_stream.trainer.loop import rl_loop
 from forge_stream.trainer.step import StepConfig, build_optimizer, sample_tree, train_step
 
 log = logging.getLogger(__name__)
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # an FSDP model's whole state, on rank 0's CPU
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,9 @@ def find_checkpoint(checkpoint_dir: Path, version: int) -> Path | None:
 class PolicyTrainer:
     """The loop's learner (forge_stream.trainer.loop): owns the model, the optimizer and the policy version."""
 
-    def __init__(self, settings: TrainerSettings, resume_version: int):
+    def __init__(self, settings: TrainerSettings, resume_version: int, ranks: DataParallel | None = None):
         self.settings = settings
+        self.ranks = ranks
         source = find_checkpoint(settings.checkpoint_dir, resume_version) if resume_version else None
         if resume_version and source is None:
             raise FileNotFoundError(
@@ -74,10 +83,20 @@ class PolicyTrainer:
         path = source or settings.base_model
         self.model = AutoModelForCausalLM.from_pretrained(path)
         self.model.train()
+        if ranks is not None:
+            self.model.to(ranks.device)
+            if ranks.fsdp:
+                shard_model(self.model)
+            else:
+                ranks.sync_parameters(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.optimizer = build_optimizer(self.model, settings.step)
         if source is not None and (source / "optimizer.pt").exists():
-            self.optimizer.load_state_dict(torch.load(source / "optimizer.pt"))
+            state = torch.load(source / "optimizer.pt", map_location="cpu")
+            if ranks is not None and ranks.fsdp:
+                set_optimizer_state_dict(self.model, self.optimizer, state, options=_FULL)
+            else:
+                self.optimizer.load_state_dict(state)
         self.policy_version = resume_version
         log.info("trainer starts at policy version %d from %s", resume_version, path)
 
@@ -102,7 +121,8 @@ class PolicyTrainer:
     def step(self, batch: Batch) -> dict:
         """One optimizer step; returns the TrainStep metric fields it knows."""
         started = time.perf_counter()
-        stats = train_step(self.model, self.optimizer, batch.samples, self.settings.step, self.policy_version)
+        stats = train_step(self.model, self.optimizer, batch.samples, self.settings.step, self.policy_version,
+                           self.ranks)
         elapsed = time.perf_counter() - started
         metrics = {key: getattr(stats, key) for key in (
             "loss_name", "loss", "mean_reward", "outcome_reward", "rollouts", "total_tokens", "unique_tokens",
@@ -111,28 +131,40 @@ class PolicyTrainer:
         return metrics | {"tokens_per_s": stats.total_tokens / elapsed, "lr": self.settings.step.lr}
 
     def checkpoint(self) -> dict:
-        """Save the weights as the next policy version; returns its PolicyVersion record."""
-        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
+        """Save the weights as the next policy version; returns its PolicyVersion record (None on ranks other
+        than 0, which only count the version)."""
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(_local(p)).all()]
+        if bad if self.ranks is None else not self.ranks.agree(not bad):
             raise FloatingPointError(f"refusing to publish non-finite weights ({', '.join(bad[:3])}...); "
                                      "the last good checkpoint stays the served policy")
         self.policy_version += 1
-        path = self._save(self.policy_version)
+        model_state = optimizer_state = None
+        if self.ranks is not None and self.ranks.fsdp:  # collectives: every rank gathers, rank 0 keeps the result
+            model_state = get_model_state_dict(self.model, options=_FULL)
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        if self.ranks is not None and not self.ranks.is_main:
+            return None
+        path = self._save(self.policy_version, model_state, optimizer_state)
         return {"event_id": deterministic_id("policy", self.run, path.name), "event_time": now_ms(),
                 "version": self.policy_version, "step": self.policy_version, "checkpoint_uri": str(path),
                 "base_model": str(self.settings.base_model)}
 
-    def _save(self, version: int) -> Path:
+    def _save(self, version: int, model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
         root = self.settings.checkpoint_dir
         path = root / checkpoint_name(version)
         tmp = root / f".tmp-{path.name}"
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        self.model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         self.tokenizer.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state or self.optimizer.state_dict(), tmp / "optimizer.pt")
         tmp.rename(path)  # a checkpoint folder exists only once complete
         for old in sorted(root.glob("v*-*"))[: -self.settings.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return path
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter (a DTensor), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def has_committed_offsets(settings: SchedulerSettings) -> bool:
@@ -159,17 +191,60 @@ class LiveBatches:
         return batch
 
 
-def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=print) -> list[dict]:
-    """Train until `steps` steps are done (forever if None); returns the TrainStep records."""
+class SharedBatches:
+    """Rank 0's BatchSource: each batch of `source` (None at its end) goes to every rank too; `stop` tells the
+    other ranks that no batch will follow."""
+
+    def __init__(self, source, ranks: DataParallel):
+        self.source, self.ranks = source, ranks
+        self.ack = source.ack
+        self.stopped = False
+
+    def next_batch(self, trainer_version: int) -> Batch | None:
+        batch = self.ranks.broadcast(self.source.next_batch(trainer_version))
+        self.stopped = batch is None
+        return batch
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.ranks.broadcast(None)
+            self.stopped = True
+
+
+def follow(settings: TrainerSettings, ranks: DataParallel) -> None:
+    """A rank other than 0: the same steps as rank 0 on the batches it sends, until it sends None."""
+    trainer = PolicyTrainer(settings, ranks.broadcast(), ranks)
+    log.info("rank %d of %d follows rank 0 from policy version %d", ranks.rank, ranks.world_size,
+             trainer.policy_version)
+    while (batch := ranks.broadcast()) is not None:
+        trainer.step(batch)
+        trainer.checkpoint()
+
+
+def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=print,
+                ranks: DataParallel | None = None) -> list[dict]:
+    """Train until `steps` steps are done (forever if None); returns the TrainStep records (none on ranks other
+    than 0)."""
+    if ranks is not None and not ranks.is_main:
+        follow(settings, ranks)
+        return []
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if settings.from_now and not has_committed_offsets(settings.scheduler):
         start_at_end(settings.scheduler)
     producer = EventProducer(settings.bootstrap, patient=True)  # a Kafka outage pauses training
     recovered = recover(settings.scheduler)
     resume = 0 if recovered.last_version is None else recovered.last_version + 1
-    trainer = PolicyTrainer(settings, resume)
+    if ranks is not None:
+        ranks.broadcast(resume)
+    trainer = PolicyTrainer(settings, resume, ranks)
     consumer = WindowedConsumer(settings.scheduler, producer, recovered, validate=trainer.validate)
+    source = LiveBatches(consumer, settings.wait_s)
+    if ranks is not None:
+        source = SharedBatches(source, ranks)
     try:
-        return rl_loop(LiveBatches(consumer, settings.wait_s), trainer, producer.send_sync, steps, progress)
+        done = rl_loop(source, trainer, producer.send_sync, steps, progress)
+        if ranks is not None:
+            source.stop()  # not after an error: the others may be inside a collective; torchrun stops them
+        return done
     finally:
         consumer.close()

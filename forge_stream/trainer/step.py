@@ -5,7 +5,9 @@ Each TrainSample is one group's prefix tree. `micro_batches` takes consecutive s
 unique rows (a sample larger than the budget goes alone); their sequences are re-packed into one trie, so what
 groups share (system prompt, tool definitions) is computed once, and it runs through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
 `length - 1` values) meet its recorded rollout log-probs and advantage in the loss. The loss is normalised by
-the completion tokens of the whole step, so micro-batching leaves the gradient unchanged.
+the completion tokens of the whole step, so micro-batching leaves the gradient unchanged, and so does data
+parallelism: under torch.distributed (`train_step(..., ranks=...)`, forge_stream.trainer.distributed) each rank
+trains its share of the trees with the whole batch's normalizer and the ranks sum their gradients.
 
 `StepConfig.loss` picks the loss and, unless `clip` is given, its own clip bounds (`LOSS_CLIP`: CISPO
 eps_low None / eps_high 4.0, PPO 0.2 / 0.2). Besides the loss, a step reports the train-inference mismatch over
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 
 from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
-from forge_stream.tree import PackedTree, from_arrays, repack, sequence_logprobs
+from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs
 
 
 LossName = Literal["cispo", "ppo"]
@@ -115,11 +117,33 @@ def build_optimizer(model: torch.nn.Module, config: StepConfig) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
-def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config: StepConfig) -> dict:
-    """Run every micro-batch forward and backward (gradients add up in .grad); return the loss and counts."""
+def completion_tokens(samples: Sequence[dict]) -> int:
+    """The loss's normalizer: completion tokens of every sequence of the samples."""
+    return sum(ref["length"] - ref["prompt_len"] for s in samples for ref in s["sequences"])
+
+
+class Ranks(Protocol):
+    """The data-parallel ranks of one step (forge_stream.trainer.distributed.DataParallel)."""
+
+    def accumulate(self, model: torch.nn.Module, samples: Sequence[dict], config: StepConfig) -> dict:
+        """`accumulate_gradients` of this rank's share of the batch, then the ranks' gradients summed into every
+        rank's .grad; returns the whole batch's stats."""
+
+    def agree(self, ok: bool) -> bool:
+        """True on every rank iff `ok` is true on every rank."""
+
+
+def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config: StepConfig,
+                         loss_tokens: int | None = None, pad_to: int = 0) -> dict:
+    """Run every micro-batch forward and backward (gradients add up in .grad); return the loss and counts.
+
+    `loss_tokens`: the normalizer (default: the samples' completion tokens); a rank of a data-parallel step passes
+    the whole batch's. `pad_to`: run zero-weighted forward/backward passes until that many micro-batches ran (FSDP
+    ranks must run the same number of passes, whose collectives pair up).
+    """
     trees = [sample_tree(s) for s in samples]
-    refs = [ref for s in samples for ref in s["sequences"]]
-    loss_tokens = sum(r["length"] - r["prompt_len"] for r in refs)
+    if loss_tokens is None:
+        loss_tokens = completion_tokens(samples)
     batches = micro_batches(trees, config.token_budget)
     loss_fn = cispo_loss if config.loss == "cispo" else ppo_clip_loss
     bounds = config.bounds
@@ -141,14 +165,18 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
         out.loss.backward()
         total_loss += float(out.loss.detach())
         outs.append(out)
-    tokens = max(sum(o.tokens for o in outs), 1)
+    for _ in range(len(batches), pad_to):
+        idle = sequence_logprobs(model, pack([[0, 0]]), chunk_rows=config.chunk_rows)
+        (idle[0].sum() * 0.0).backward()
+    trained = sum(o.tokens for o in outs)
+    tokens = max(trained, 1)
     return {
         "loss": total_loss,
-        "trees": trees,
         "loss_tokens": loss_tokens,
+        "tokens": trained,
         "micro_batches": len(batches),
         "clip_fraction": sum(o.clip_fraction * o.tokens for o in outs) / tokens,
-        "ratio_mean": sum(o.ratio_mean * o.tokens for o in outs) / tokens if loss_tokens else 1.0,
+        "ratio_mean": sum(o.ratio_mean * o.tokens for o in outs) / tokens if trained else 1.0,
         "ratio_max": max((o.ratio_max for o in outs if o.tokens), default=1.0),
         "mismatch_mean": sum(o.mismatch_mean * o.tokens for o in outs) / tokens,
         "mismatch_max": max((o.mismatch_max for o in outs if o.tokens), default=0.0),
@@ -170,22 +198,29 @@ def train_step(
     samples: Sequence[dict],
     config: StepConfig,
     policy_version: int,
+    ranks: Ranks | None = None,
 ) -> StepStats:
-    """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness."""
+    """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness.
+
+    With `ranks`, every rank calls it with the same samples, trains its share, and takes the same step."""
     if not samples:
         raise ValueError("train_step needs at least one sample")
     optimizer.zero_grad(set_to_none=True)
-    acc = accumulate_gradients(model, samples, config)
+    if ranks is None:
+        acc = accumulate_gradients(model, samples, config)
+    else:
+        acc = ranks.accumulate(model, samples, config)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    if math.isfinite(grad_norm):
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+    finite = math.isfinite(grad_norm) if ranks is None else ranks.agree(math.isfinite(grad_norm))
+    if finite:
         optimizer.step()
     else:  # a non-finite gradient would make every weight NaN: the step changes nothing and says so (grad_norm)
         optimizer.zero_grad(set_to_none=True)
-    trees = acc["trees"]
-    total = sum(t.total_tokens for t in trees)
-    unique = sum(t.num_rows for t in trees)
+    total = sum(ref["length"] for s in samples for ref in s["sequences"])
+    unique = sum(len(s["token_ids"]) for s in samples)
     rewards = [ref["reward"] for s in samples for ref in s["sequences"]]
     staleness = [policy_version - s["policy_version"] for s in samples]
     outcomes = rollout_outcomes(samples)
