@@ -147,10 +147,8 @@ class Supervisor:
         if not _alive(pid):
             return None
         try:
-            # the pid was reused by another program; "forge_stream" also matches a supervisor just forked by
-            # `up` that has not exec'd yet (its cmdline is still its parent's)
-            if b"forge_stream" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return None
+            if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return None  # the pid was reused
         except FileNotFoundError:
             pass
         return pid
