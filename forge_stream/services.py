@@ -147,13 +147,17 @@ class Supervisor:
         if not _alive(pid):
             return None
         try:
-            # the pid was reused by another program; "forge_stream" also matches a supervisor just forked by
-            # `up` that has not exec'd yet (its cmdline is still its parent's)
-            if b"forge_stream" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return None
+            if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return None  # the pid was reused
         except FileNotFoundError:
             pass
         return pid
+
+    def write_pid(self, pid: int) -> None:
+        """Replace the pid file in one step: a reader never sees it empty (it would take the supervisor for dead)."""
+        tmp = self.pid_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(str(pid))
+        os.replace(tmp, self.pid_file)
 
     def ensure_daemon(self) -> int:
         with self.locked():
@@ -164,7 +168,7 @@ class Supervisor:
                 proc = subprocess.Popen([sys.executable, "-m", "forge_stream.services", str(self.run_dir)],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True)
-            self.pid_file.write_text(str(proc.pid))
+            self.write_pid(proc.pid)
             return proc.pid
 
     def start(self, spec: ServiceSpec, timeout: float = 120.0) -> dict:
@@ -334,7 +338,7 @@ def supervise(run_dir: Path) -> None:
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-        supervisor.pid_file.write_text(str(os.getpid()))
+        supervisor.write_pid(os.getpid())
         print(f"{time.strftime('%H:%M:%S')} supervising the services of {run_dir} (pid {os.getpid()})", flush=True)
         children: dict[str, subprocess.Popen] = {}
         while not stopping and run_dir.is_dir():
