@@ -3,7 +3,9 @@
 A caller's answer always waits for Kafka: a completion's body (or a stream's final `data: [DONE]`) is sent only
 after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
-session's state (turn counter, pending tool calls) is rolled back. A session's completions are written one
+session's state (turn counter, pending tool calls) is rolled back. A chat prompt that extends an earlier
+completion of the session (its prompt and completion ids) is recorded by reference to it (forge_stream.events.
+prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly with its turns, not with their square. A session's completions are written one
 request at a time, so its turn numbers stay 0, 1, 2... in the order they were recorded, even when concurrent
 requests of the session fail.
 
@@ -28,13 +30,14 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import new_event_id, now_ms
+from forge_stream.events.prompts import Lane, by_reference, message_digest
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
 )
 from forge_stream.gateway.recording import (
-    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, completion_choices, completion_record, dumps,
-    sampling_setting,
+    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, completion_choices,
+    completion_record, dumps, sampling_setting,
 )
 from forge_stream.gateway.responses import (
     EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
@@ -300,6 +303,7 @@ class GatewayService:
         session.status = "finished"
         session.pending.clear()
         session.responses.clear()
+        session.lanes.clear()
         return [record["event_id"]]
 
     # ----- engines ---------------------------------------------------------------------------------------
@@ -354,13 +358,14 @@ class GatewayService:
         spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
         taken = [call for call, _ in answered]
         keys = session.keys
+        parts = tuple(orjson.dumps(m) for m in body["messages"]) if kind == "chat" else ()
         ctx = RequestContext(
             session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
             agent=agent, received_ms=received, kind=kind,
-            messages_json=dumps(body["messages"] if kind == "chat" else body["prompt"]),
+            messages_json=chat_messages_json(parts) if kind == "chat" else dumps(body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
-            logprobs_mode=self.settings.engine_logprobs_mode)
+            logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts)
         stream = bool(body.get("stream"))
         hide = hidden_fields(kind, body)
         try:
@@ -395,9 +400,18 @@ class GatewayService:
             records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
                                          policy_version=version, first_token_ms=first_token_ms, done_ms=done)
                        for c in choices]
-            await self.publish([(TOPICS.completions, group, r, None) for r in records]
+            by_ref = self.settings.prompt_refs and ctx.kind == "chat"
+            sent = [by_reference(r, ctx.message_parts, session.lanes.values()) if by_ref else r for r in records]
+            await self.publish([(TOPICS.completions, group, r, None) for r in sent]
                                + [(TOPICS.tool_spans, group, s, None) for s in spans])
             session.turns = turn + 1
+            if by_ref:
+                digests = tuple(map(message_digest, ctx.message_parts))
+                for choice, record in zip(choices, records):
+                    if choice.prompt_ids:
+                        session.lanes[(ctx.agent, choice.index)] = Lane(
+                            record["completion_id"], len(choice.prompt_ids),
+                            choice.prompt_ids + (choice.token_ids or []), digests)
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):
