@@ -54,6 +54,20 @@ class Lane:
     messages: tuple[bytes, ...]  # message_digest of each of its whole prompt's messages
 
 
+def shared_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` have in common.
+
+    >>> shared_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane]) -> dict:
     """`record` (a chat Completion with its prompt whole; `messages` the JSON of each of its messages) recorded
     by reference to the lane whose ids it repeats longest, among the lanes whose whole prompt it starts with; the
@@ -78,11 +92,7 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane])
             best, shared = lane, n
     if best is None:
         return record
-    kept = 0
-    for digest, message in zip(best.messages, messages):
-        if digest != message_digest(message):
-            break
-        kept += 1
+    kept = shared_prefix(best.messages, [message_digest(m) for m in messages])
     return {**record, "prompt_ref": best.completion_id, "prompt_ref_tokens": shared, "prompt_token_ids": ids[shared:],
             "prompt_ref_messages": kept, "messages_json": (b"[" + b",".join(messages[kept:]) + b"]").decode()}
 
@@ -141,5 +151,5 @@ def whole_completions(records: Iterable[dict], messages: bool = True) -> list[di
     return [whole(r, *resolve_prompt(r, by_id, cache, messages)) for r in records]
 
 
-__all__ = ["Lane", "MissingReference", "by_reference", "message_digest", "resolve_prompt", "whole",
+__all__ = ["Lane", "MissingReference", "by_reference", "message_digest", "resolve_prompt", "shared_prefix", "whole",
            "whole_completions"]

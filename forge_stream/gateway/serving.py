@@ -3,14 +3,16 @@
 A caller's answer always waits for Kafka: a completion's body (or a stream's final `data: [DONE]`) is sent only
 after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
-session's state (turn counter, pending tool calls) is rolled back. A chat prompt that extends an earlier
-completion of the session (its prompt and completion ids) is recorded by reference to it (forge_stream.events.
-prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly with its turns, not with their square. A session's completions are written one
+session's state (turn counter, pending tool calls) is rolled back. A session's completions are written one
 request at a time, so its turn numbers stay 0, 1, 2... in the order they were recorded, even when concurrent
-requests of the session fail.
+requests of the session fail. A chat prompt that extends an earlier completion of the session is recorded by
+reference to it (forge_stream.events.prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly
+with its turns, not with their square.
 
 Limits (GatewaySettings) are checked before a request reaches an engine or Kafka: a body's size and JSON depth
-(forge_stream.httpbody), identifiers (`check_id`), and OpenAI requests (`check_request`); each answers 4xx.
+(forge_stream.httpbody), identifiers (`check_id`), OpenAI requests (`check_request`), and the least size its
+Completion events will have (`_check_event_size`); each answers 4xx. An event that still turns out larger than its
+topic takes (the engine's token ids added) is 413 too, after the engine ran, and nothing is recorded.
 
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
 (inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
@@ -30,7 +32,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import new_event_id, now_ms
-from forge_stream.events.prompts import Lane, by_reference, message_digest
+from forge_stream.events.prompts import Lane, by_reference, message_digest, shared_prefix
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
@@ -366,6 +368,11 @@ class GatewayService:
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
             logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts)
+        try:
+            self._check_event_size(session, ctx, body)
+        except GatewayError:
+            session.restore(taken)
+            raise
         stream = bool(body.get("stream"))
         hide = hidden_fields(kind, body)
         try:
@@ -389,6 +396,30 @@ class GatewayService:
             session.restore(taken)
             raise
         return orjson.dumps(for_client(data, *hide)) if any(hide) else content
+
+    def _check_event_size(self, session: Session, ctx: RequestContext, body: dict) -> None:
+        """413 before the engine runs when the Completion events of this request cannot fit in Kafka whatever
+        the engine answers: the messages they will record (those after the longest run of messages that one of the
+        session's lanes holds, when prompts go by reference), or the prompt of a completions request, plus the
+        tools, already exceed `max_event_bytes`."""
+        limit = self.settings.max_event_bytes or TOPICS.completions.max_message_bytes
+        if ctx.kind == "chat":
+            parts = ctx.message_parts
+            kept = 0
+            if self.settings.prompt_refs and session.lanes:
+                digests = [message_digest(p) for p in parts]
+                kept = max(shared_prefix(lane.messages, digests) for lane in session.lanes.values())
+            floor = sum(len(p) + 1 for p in parts[kept:])
+        else:
+            prompts = body["prompt"]
+            many = isinstance(prompts, list) and not isinstance(prompts[0], int)
+            floor = max(len(dumps(p)) for p in prompts) if many else len(ctx.messages_json)
+        floor += len(ctx.tools_json or "")
+        if floor > limit:
+            raise GatewayError(413, f"This request's prompt would be recorded as a Completion event of at least "
+                                    f"{floor} bytes, and {TOPICS.completions.name} takes at most {limit}: send a "
+                                    f"shorter prompt (or fewer tools).", "invalid_request_error",
+                               "messages" if ctx.kind == "chat" else "prompt")
 
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
