@@ -90,8 +90,8 @@ def session_bytes(turns: int = 50, system_tokens: int = 2000, completion_tokens:
         parts = [json.dumps(m, separators=(",", ":")).encode() for m in messages]
         whole.append(record)
         referenced.append(by_reference(record, parts, lanes.values()))
-        lanes[(record["agent"], 0)] = Lane(record["completion_id"], len(ids),
-                                           ids + record["completion_token_ids"], tuple(map(message_digest, parts)))
+        lanes[(record["agent"], 0)] = Lane(record["completion_id"], record["prompt_token_ids"],
+                                           record["completion_token_ids"], tuple(map(message_digest, parts)))
         ids = ids + record["completion_token_ids"] + [rng.randrange(151_000) for _ in range(result_tokens)]
         messages = messages + [{"role": "assistant", "content": record["output_text"]},
                                {"role": "tool", "content": text(result_tokens)}]

@@ -49,8 +49,8 @@ class Lane:
     """The last recorded completion of one (agent, choice index) lane of a session, as the gateway keeps it."""
 
     completion_id: str
-    prompt_len: int
-    ids: list[int]  # its whole prompt ids, then its completion ids
+    prompt: list[int]  # its whole prompt ids (one list shared by the lanes of a request's n choices)
+    completion: list[int]
     messages: tuple[bytes, ...]  # message_digest of each of its whole prompt's messages
 
 
@@ -73,7 +73,7 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane])
     by reference to the lane whose ids it repeats longest, among the lanes whose whole prompt it starts with; the
     record itself when it extends none.
 
-    >>> lane = Lane("c0", 2, [1, 2, 3, 9], (message_digest(b'"a"'),))
+    >>> lane = Lane("c0", [1, 2], [3, 9], (message_digest(b'"a"'),))
     >>> r = by_reference({"prompt_token_ids": [1, 2, 3, 4], "messages_json": '["a","b"]'}, [b'"a"', b'"b"'], [lane])
     >>> r["prompt_ref"], r["prompt_ref_tokens"], r["prompt_token_ids"], r["prompt_ref_messages"], r["messages_json"]
     ('c0', 3, [4], 1, '["b"]')
@@ -83,11 +83,10 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane])
     ids = record["prompt_token_ids"]
     best, shared = None, 0
     for lane in lanes:
-        n = lane.prompt_len
-        if n == 0 or len(ids) < n or ids[:n] != lane.ids[:n]:
+        n = len(lane.prompt)
+        if n == 0 or len(ids) < n or ids[:n] != lane.prompt:
             continue
-        while n < len(ids) and n < len(lane.ids) and ids[n] == lane.ids[n]:
-            n += 1
+        n += shared_prefix(lane.completion, ids[n:n + len(lane.completion)])
         if n > shared:
             best, shared = lane, n
     if best is None:

@@ -438,11 +438,12 @@ class GatewayService:
             session.turns = turn + 1
             if by_ref:
                 digests = tuple(map(message_digest, ctx.message_parts))
+                prompt: list[int] = []
                 for choice, record in zip(choices, records):
-                    if choice.prompt_ids:
+                    if choice.prompt_ids:  # the choices' lanes share one copy of the prompt
+                        prompt = prompt if prompt == choice.prompt_ids else choice.prompt_ids
                         session.lanes[(ctx.agent, choice.index)] = Lane(
-                            record["completion_id"], len(choice.prompt_ids),
-                            choice.prompt_ids + (choice.token_ids or []), digests)
+                            record["completion_id"], prompt, choice.token_ids or [], digests)
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):

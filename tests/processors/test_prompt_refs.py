@@ -22,8 +22,7 @@ def by_ref(events):
             whole = record
             record = by_reference(whole, [], held.values())
             held[whole["agent"], whole["choice_index"]] = Lane(
-                whole["completion_id"], len(whole["prompt_token_ids"]),
-                whole["prompt_token_ids"] + whole["completion_token_ids"], ())
+                whole["completion_id"], whole["prompt_token_ids"], whole["completion_token_ids"], ())
         out.append((schema, record))
     return out
 
