@@ -134,7 +134,8 @@ def resolve_prompt(completion: dict, by_id: dict[str, dict], cache: dict | None 
 
 
 def whole(completion: dict, ids: list[int], messages_json: str | None) -> dict:
-    """`completion` with its prompt whole (no reference)."""
+    """`completion` with its prompt whole (no reference); with `messages_json` None only the ids are rebuilt (the
+    processors need no messages) and messages_json stays as recorded."""
     out = {**completion, "prompt_token_ids": ids, "prompt_ref": None, "prompt_ref_tokens": 0,
            "prompt_ref_messages": 0}
     if messages_json is not None:
