@@ -2,6 +2,11 @@
 
 Nobody spells a topic name elsewhere: code says `TOPICS.completions.name`. `forge-stream topics create` makes
 them all (idempotently) with these settings.
+
+Size limits live here too: each topic's `max_message_bytes` (its `max.message.bytes`, checked by EventProducer
+before sending, so an event too large fails at once and by name instead of being refused by the broker), and
+`TOPICS.largest_message_bytes()` sizes the producers' `message.max.bytes`, the local broker's `message.max.bytes`
+and the processors' faust producer.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from dataclasses import dataclass, field
 
 FOREVER = -1
 DAY_MS = 24 * 3600 * 1000
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -24,12 +30,14 @@ class Topic:
     cleanup_policy: str = "delete"
     doc: str = ""
     extra_config: dict[str, str] = field(default_factory=dict)
+    max_message_bytes: int = MiB  # the largest record (value, key and batch framing) the topic takes
 
     def config(self) -> dict[str, str]:
         return {
             "cleanup.policy": self.cleanup_policy,
             "retention.ms": str(self.retention_ms),
             "message.timestamp.type": "CreateTime",
+            "max.message.bytes": str(self.max_message_bytes),
             **self.extra_config,
         }
 
@@ -51,6 +59,9 @@ class Catalog:
     def all(self) -> list[Topic]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
 
+    def largest_message_bytes(self) -> int:
+        return max(topic.max_message_bytes for topic in self.all())
+
     def by_name(self, name: str) -> Topic:
         for topic in self.all():
             if topic.name == name:
@@ -63,20 +74,24 @@ ROLLOUT_PARTITIONS = 4
 TOPICS = Catalog(
     tasks=Topic("forge.tasks", "group_id", ("Task",), ROLLOUT_PARTITIONS, FOREVER,
                 ("rollout controller", "user"), ("processors", "scheduler"),
-                doc="Task instances in submission order (seq)."),
+                doc="Task instances in submission order (seq).", max_message_bytes=4 * MiB),
     sessions=Topic("forge.sessions", "group_id", ("SessionStarted", "SessionFinished"), ROLLOUT_PARTITIONS, FOREVER,
                    ("ingress",), ("processors",), doc="One session = one rollout of one agent."),
     completions=Topic("forge.completions", "group_id", ("Completion",), ROLLOUT_PARTITIONS, FOREVER,
-                      ("ingress",), ("processors",), doc="Exact token ids and logprobs of every completion."),
+                      ("ingress",), ("processors",), doc="Exact token ids and logprobs of every completion.",
+                      max_message_bytes=8 * MiB),  # a 200K-token prompt recorded whole, with its messages
     tool_spans=Topic("forge.tool_spans", "group_id", ("ToolSpan",), ROLLOUT_PARTITIONS, FOREVER,
-                     ("ingress", "agent"), ("processors",), doc="Tool calls with arguments, status and wall time."),
+                     ("ingress", "agent"), ("processors",), doc="Tool calls with arguments, status and wall time.",
+                     max_message_bytes=4 * MiB),
     rewards=Topic("forge.rewards", "group_id", ("Reward",), ROLLOUT_PARTITIONS, FOREVER,
                   ("grader", "processors"), ("processors", "analytics"), doc="Outcome, process and time rewards."),
     trajectories=Topic("forge.trajectories", "group_id", ("Trajectory",), ROLLOUT_PARTITIONS, 30 * DAY_MS,
-                       ("processors",), ("analytics", "parquet sink"), doc="Assembled sessions with advantages."),
+                       ("processors",), ("analytics", "parquet sink"), doc="Assembled sessions with advantages.",
+                       max_message_bytes=4 * MiB),
     samples=Topic("forge.samples", "group_id", ("TrainSample", "GroupSkipped"), ROLLOUT_PARTITIONS, 30 * DAY_MS,
                   ("processors",), ("scheduler", "trainer"),
-                  doc="One packed prefix tree per group, or why the group has none (GroupSkipped)."),
+                  doc="One packed prefix tree per group, or why the group has none (GroupSkipped).",
+                  max_message_bytes=64 * MiB),  # a group of long sessions: millions of tree rows
     policy=Topic("forge.policy", "run", ("PolicyVersion",), 1, FOREVER,
                  ("trainer",), ("engines", "gateway"), doc="Published weights, in version order."),
     train_metrics=Topic("forge.train_metrics", "run", ("TrainStep",), 1, FOREVER,
@@ -85,5 +100,6 @@ TOPICS = Catalog(
                 ("forge-stream eval",), ("analytics", "tensorboard sink"),
                 doc="Held-out evaluations: mean outcome reward per domain and policy version."),
     dlq=Topic("forge.dlq", "group_id or source topic", ("DeadLetter",), 1, 30 * DAY_MS,
-              ("any",), ("operators",), doc="Undecodable or invalid records with their original bytes."),
+              ("any",), ("operators",), doc="Undecodable or invalid records with their original bytes.",
+              max_message_bytes=65 * MiB),  # any other topic's largest record, wrapped
 )

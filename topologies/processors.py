@@ -59,7 +59,7 @@ def build_app(config: TopologyConfig) -> faust.App:
         topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=1, table_standby_replicas=0,
         web_enabled=False, stream_wait_empty=False, consumer_auto_offset_reset=config.offset_reset,
         broker_session_timeout=10.0, broker_heartbeat_interval=1.0, broker_commit_interval=config.commit_interval_s,
-        producer_acks=-1,
+        producer_acks=-1, producer_max_request_size=TOPICS.largest_message_bytes(),
     )
     settings = config.processors
     inputs = app.topic(*(t.name for t in INPUTS), **RAW)

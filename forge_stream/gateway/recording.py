@@ -9,6 +9,9 @@ them, or whose logprobs do not line up with its tokens, is recorded as untrainab
 Each Completion also records how it was sampled: the request's `temperature` and `top_p` (OpenAI's defaults,
 1.0, when absent) and the engine's logprobs mode (`GatewaySettings.engine_logprobs_mode`, since engines do not
 report it): "processed" when the logprobs are those of the distribution actually sampled from.
+
+A Completion's prompt is recorded whole here; the service then records a chat prompt that extends an earlier
+completion of its session by reference (forge_stream.events.prompts.by_reference).
 """
 
 from __future__ import annotations
@@ -167,6 +170,16 @@ class RequestContext:
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs_mode: str = "processed"
+    message_parts: tuple[bytes, ...] = ()  # chat: each message's JSON (messages_json is their JSON list)
+
+
+def chat_messages_json(parts: tuple[bytes, ...]) -> str:
+    """The JSON list of messages whose JSON texts are `parts` (as orjson writes the list itself).
+
+    >>> chat_messages_json((b'{"role":"user"}', b'{"a":1}')) == orjson.dumps([{"role": "user"}, {"a": 1}]).decode()
+    True
+    """
+    return (b"[" + b",".join(parts) + b"]").decode()
 
 
 def sampling_setting(body: dict, name: str) -> float:
@@ -228,4 +241,7 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "temperature": ctx.temperature,
         "top_p": ctx.top_p,
         "logprobs_mode": ctx.logprobs_mode,
+        "prompt_ref": None,
+        "prompt_ref_tokens": 0,
+        "prompt_ref_messages": 0,
     }

@@ -5,10 +5,14 @@ after its Completion events (and the ToolSpans its request revealed) were acknow
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
 session's state (turn counter, pending tool calls) is rolled back. A session's completions are written one
 request at a time, so its turn numbers stay 0, 1, 2... in the order they were recorded, even when concurrent
-requests of the session fail.
+requests of the session fail. A chat prompt that extends an earlier completion of the session is recorded by
+reference to it (forge_stream.events.prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly
+with its turns, not with their square.
 
 Limits (GatewaySettings) are checked before a request reaches an engine or Kafka: a body's size and JSON depth
-(forge_stream.httpbody), identifiers (`check_id`), and OpenAI requests (`check_request`); each answers 4xx.
+(forge_stream.httpbody), identifiers (`check_id`), OpenAI requests (`check_request`), and the least size its
+Completion events will have (`_check_event_size`); each answers 4xx. An event that still turns out larger than its
+topic takes (the engine's token ids added) is 413 too, after the engine ran, and nothing is recorded.
 
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
 (inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
@@ -29,6 +33,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
+from forge_stream.events.prompts import Lane, by_reference, message_digest, shared_prefix
 from forge_stream.gateway import messages
 from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.engines import Engine, EnginePool
@@ -36,8 +41,8 @@ from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
 )
 from forge_stream.gateway.recording import (
-    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, completion_choices, completion_record, dumps,
-    sampling_setting,
+    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, completion_choices,
+    completion_record, dumps, sampling_setting,
 )
 from forge_stream.gateway.responses import (
     EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
@@ -313,6 +318,7 @@ class GatewayService:
         session.responses.clear()
         session.explicit.clear()
         session.span_ids.clear()
+        session.lanes.clear()
         self.sessions.finished(session)
         return [record["event_id"]]
 
@@ -382,13 +388,19 @@ class GatewayService:
         spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
         taken = [call for call, _ in answered]
         keys = session.keys
+        parts = tuple(orjson.dumps(m) for m in body["messages"]) if kind == "chat" else ()
         ctx = RequestContext(
             session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
             agent=agent, received_ms=received, kind=kind,
-            messages_json=dumps(body["messages"] if kind == "chat" else body["prompt"]),
+            messages_json=chat_messages_json(parts) if kind == "chat" else dumps(body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
-            logprobs_mode=self.settings.engine_logprobs_mode)
+            logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts)
+        try:
+            self._check_event_size(session, ctx, body)
+        except GatewayError:
+            session.restore(taken)
+            raise
         stream = bool(body.get("stream"))
         hide = hidden_fields(kind, body)
         try:
@@ -413,6 +425,30 @@ class GatewayService:
             raise
         return orjson.dumps(for_client(data, *hide)) if any(hide) else content
 
+    def _check_event_size(self, session: Session, ctx: RequestContext, body: dict) -> None:
+        """413 before the engine runs when the Completion events of this request cannot fit in Kafka whatever
+        the engine answers: the messages they will record (those after the longest run of messages that one of the
+        session's lanes holds, when prompts go by reference), or the prompt of a completions request, plus the
+        tools, already exceed `max_event_bytes`."""
+        limit = self.settings.max_event_bytes or TOPICS.completions.max_message_bytes
+        if ctx.kind == "chat":
+            parts = ctx.message_parts
+            kept = 0
+            if self.settings.prompt_refs and session.lanes:
+                digests = [message_digest(p) for p in parts]
+                kept = max(shared_prefix(lane.messages, digests) for lane in session.lanes.values())
+            floor = sum(len(p) + 1 for p in parts[kept:])
+        else:
+            prompts = body["prompt"]
+            many = isinstance(prompts, list) and not isinstance(prompts[0], int)
+            floor = max(len(dumps(p)) for p in prompts) if many else len(ctx.messages_json)
+        floor += len(ctx.tools_json or "")
+        if floor > limit:
+            raise GatewayError(413, f"This request's prompt would be recorded as a Completion event of at least "
+                                    f"{floor} bytes, and {TOPICS.completions.name} takes at most {limit}: send a "
+                                    f"shorter prompt (or fewer tools).", "invalid_request_error",
+                               "messages" if ctx.kind == "chat" else "prompt")
+
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
                       spans: list[dict]) -> None:
@@ -423,9 +459,19 @@ class GatewayService:
             records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
                                          policy_version=version, first_token_ms=first_token_ms, done_ms=done)
                        for c in choices]
-            await self.publish([(TOPICS.completions, group, r, None) for r in records]
+            by_ref = self.settings.prompt_refs and ctx.kind == "chat"
+            sent = [by_reference(r, ctx.message_parts, session.lanes.values()) if by_ref else r for r in records]
+            await self.publish([(TOPICS.completions, group, r, None) for r in sent]
                                + [(TOPICS.tool_spans, group, s, None) for s in spans])
             session.turns = turn + 1
+            if by_ref:
+                digests = tuple(map(message_digest, ctx.message_parts))
+                prompt: list[int] = []
+                for choice, record in zip(choices, records):
+                    if choice.prompt_ids:  # the choices' lanes share one copy of the prompt
+                        prompt = prompt if prompt == choice.prompt_ids else choice.prompt_ids
+                        session.lanes[(ctx.agent, choice.index)] = Lane(
+                            record["completion_id"], prompt, choice.token_ids or [], digests)
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):

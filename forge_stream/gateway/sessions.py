@@ -1,5 +1,6 @@
 """Session state kept in the gateway process: open/finished, turn counter, pending tool calls, agent token, and
-the Responses API's stored responses.
+the Responses API's stored responses, and the last chat completion of each (agent, choice) lane, which a later
+prompt may be recorded by reference to.
 
 It lives in memory: a restart loses the open sessions (their later calls get 404) and their pending tool calls
 (those spans are not inferred), but never an event already acknowledged, since those are in Kafka.
@@ -16,6 +17,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from forge_stream.events.prompts import Lane
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse
 from forge_stream.gateway.spans import PendingCall, SessionKeys
@@ -33,6 +35,7 @@ class Session:
     explicit: set[str] = field(default_factory=set)  # call ids with a posted span: never inferred
     span_ids: set[str] = field(default_factory=set)  # distinct span ids of the ToolSpans recorded
     responses: dict[str, StoredResponse] = field(default_factory=dict)  # Responses API: previous_response_id
+    lanes: dict[tuple[str, int], Lane] = field(default_factory=dict)  # (agent, choice) -> last chat completion
     recording: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a turn's events are written
 
     @property

@@ -47,6 +47,12 @@ class GatewaySettings:
     # what the engines' logprobs are (recorded on each Completion): "processed" = of the distribution sampled
     # from (the local engine's default; vLLM with --logprobs-mode processed_logprobs), "raw" = temperature 1
     engine_logprobs_mode: str = "processed"
+    # record a chat prompt that extends an earlier completion of its session by reference (forge_stream.events.
+    # prompts): only the appended ids and messages, so a session's bytes grow linearly with its turns
+    prompt_refs: bool = True
+    # the largest Completion event; a request whose messages alone (those not recorded by reference) and tools
+    # exceed it is refused (413) before the engine runs. None: forge.completions' max_message_bytes
+    max_event_bytes: int | None = None
 
     @property
     def auth(self) -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from forge_stream.topics import TOPICS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INFRA_DIR = REPO_ROOT / "infra" / "kafka"
 KAFKA_VERSION = "4.1.1"
@@ -95,6 +97,7 @@ class LocalBroker:
         self.properties.write_text(template.substitute(
             port=c.port, controller_port=c.controller_port, data_dir=self.dir / "data",
             offsets_partitions=c.offsets_partitions, rebalance_delay_ms=c.rebalance_delay_ms,
+            message_max_bytes=TOPICS.largest_message_bytes(),
         ))
 
     def _java(self, libs: Path, main: str, *args: str) -> list[str]:

@@ -1,21 +1,23 @@
 """Read a slice of a topic's history (between two timestamps, or from given offsets) without a consumer group.
 
 Used by `forge-stream replay` and by analytics jobs: partitions are `assign()`ed, offsets are looked up with
-`offsets_for_times`, nothing is ever committed, so live consumer groups are untouched.
+`offsets_for_times`, nothing is ever committed, so live consumer groups are untouched. `read_completions` reads
+Completions with their prompts rebuilt whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import time
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode
+from forge_stream.events.prompts import whole_completions
 from forge_stream.kafka.consumer import Event
-from forge_stream.topics import Topic
+from forge_stream.topics import TOPICS, Topic
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,12 @@ def read_slice(bootstrap: str, topic: Topic, where: Slice, errors: list | None =
                 yield Event(topic.name, partition, msg.offset(), key, schema, record, msg.timestamp()[1])
     finally:
         consumer.close()
+
+
+def read_completions(bootstrap: str, where: Slice = Slice(), keep: Callable[[dict], bool] = lambda r: True,
+                     messages: bool = True) -> list[dict]:
+    """The Completions in the slice that `keep` selects, each with its prompt ids (and messages) rebuilt whole
+    (forge_stream.events.prompts). A prompt's reference is an earlier completion of its session, so `keep` must
+    select whole sessions and the slice must start at or before their first completion."""
+    kept = [e.record for e in read_slice(bootstrap, TOPICS.completions, where) if keep(e.record)]
+    return whole_completions(kept, messages)

@@ -4,6 +4,9 @@
 its caller after the event is durable and never before. `send_sync` is the same for scripts.
 A patient producer (`patient=True`: the trainer, the rollout controller) never gives a record up: while Kafka is
 away its sends wait, and go through once it is back, instead of failing after `message.timeout.ms`.
+A record larger than its topic takes (`Topic.max_message_bytes`, less `RECORD_OVERHEAD` for the batch framing) is
+refused before it is sent: KafkaException with MSG_SIZE_TOO_LARGE, as librdkafka raises past `message.max.bytes`
+(which is sized to the catalog's largest topic limit).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import threading
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from forge_stream.events import encode
-from forge_stream.topics import Topic
+from forge_stream.topics import TOPICS, Topic
+
+RECORD_OVERHEAD = 1024  # record batch and record headers around a value and key (the broker counts them)
 
 
 class DeliveryError(RuntimeError):
@@ -29,6 +34,7 @@ def producer_config(bootstrap: str, **overrides) -> dict:
         "linger.ms": 2,
         "compression.type": "lz4",
         "message.timeout.ms": 15000,
+        "message.max.bytes": TOPICS.largest_message_bytes() + RECORD_OVERHEAD,
         **overrides,
     }
 
@@ -54,8 +60,13 @@ class EventProducer:
         schema = schema or topic.value_schemas[0]
         if schema not in topic.value_schemas:
             raise ValueError(f"{topic.name} carries {topic.value_schemas}, not {schema}")
-        self._producer.produce(topic.name, value=encode(schema, record), key=key.encode(),
-                               on_delivery=on_delivery)
+        value, key_bytes = encode(schema, record), key.encode()
+        size = len(value) + len(key_bytes) + RECORD_OVERHEAD
+        if size > topic.max_message_bytes:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, (
+                f"a {schema} of {size} bytes is larger than {topic.name} takes "
+                f"(max.message.bytes {topic.max_message_bytes})")))
+        self._producer.produce(topic.name, value=value, key=key_bytes, on_delivery=on_delivery)
 
     def produce_raw(self, topic: str, key: bytes | None, value: bytes, on_delivery=None) -> None:
         self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)

@@ -10,6 +10,8 @@ the group's events, so a replay re-emits identical records:
 - one TrainSample per group               (id: deterministic_id("sample", group_id)), or, when the group has no
   trainable completion (all its sessions failed or were lost, or its Task never came), one GroupSkipped with the
   reason (id: deterministic_id("group_skipped", group_id)) on the same topic, so the trainer does not wait on it.
+Completions are read with their prompts whole (`whole_prompts`): a prompt recorded by reference is rebuilt from the
+group's other completions, so the outputs are the same as if every prompt had been recorded whole.
 Their event_time is the group's last event time when it completes, or its deadline when it times out.
 An evaluation group (a session started with metadata {"purpose": "eval"}) emits nothing: its state becomes a
 closed marker as soon as that SessionStarted is read, dropping whatever arrived before it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forge_stream.events import deterministic_id
+from forge_stream.events.prompts import MissingReference, resolve_prompt, whole
 from forge_stream.processors import groups
 from forge_stream.processors.rewards import Rollout, Turn, score_group, wall_time_ms
 from forge_stream.processors.sample import build_sample, trainable
@@ -63,6 +66,7 @@ def expire(state: dict | None, now_ms: int, settings: ProcessorSettings) -> tupl
 def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dict, list[Emit]]:
     """Score the done sessions, emit rewards, trajectories and the sample; shrink the state to a closed marker."""
     closed_ms = state["last_ms"] if complete else groups.deadline_ms(state, settings)
+    state = {**state, "completions": whole_prompts(state["completions"])}
     done = groups.done_sessions(state)
     missing = sorted(set(state["sessions"]) - set(done))
     rollouts = score_group(state, done, settings)
@@ -92,6 +96,20 @@ def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dic
             "group_complete": complete, "missing_sessions": missing,
         }))
     return groups.closed_marker(state, closed_ms), emits
+
+
+def whole_prompts(completions: dict[str, dict]) -> dict[str, dict]:
+    """The group's completions with their prompt ids rebuilt whole (a prompt recorded by reference extends a
+    completion of its own session, so of this group). One whose reference never arrived (its group timed out) is
+    kept untrainable, with the reason."""
+    cache: dict = {}
+    out = {}
+    for cid, comp in completions.items():
+        try:
+            out[cid] = whole(comp, *resolve_prompt(comp, completions, cache, messages=False))
+        except MissingReference as exc:
+            out[cid] = {**comp, "trainable": False, "untrainable_reason": str(exc)}
+    return out
 
 
 def _skip_reason(state: dict, done: list[str], missing: list[str]) -> str:

@@ -14,6 +14,7 @@ PINNED = {
     ("forge.events.Completion", 1): "8054d812ef54efd3f1ee9d473e74909b78b2174ed23fd34433b2520c1856c8fc",
     ("forge.events.Completion", 2): "c61b851b5ccff8b2f72685419c6a5f224a263bc17c08e90e357b61eb55e0c362",
     ("forge.events.Completion", 3): "26e62c5d1ce0a31befee8f9ce221a2b1e2e7310f6a5148df527a83f657ed4d7c",
+    ("forge.events.Completion", 4): "6a64a42787acd767e5121752a51f73e4f0de95c1c4d2cd0cfd65fb70679948cb",
     ("forge.events.DeadLetter", 1): "9f26aa83e8eedaff91b8d9b5850fe1c340d16b71ebce0e902a4d3c5e6f338896",
     ("forge.events.EvalResult", 1): "2cd0d18a2b0464cc88fc29999e7e4542bbf9c2f3126ac0142e792dff1a08a8e0",
     ("forge.events.GroupSkipped", 1): "4485c2fcdfe18b99f425a68132167f4974464dbc6744f127994faf482b3fe5cc",

@@ -160,3 +160,31 @@ def test_turns_stay_contiguous_when_a_concurrent_write_fails(kafka_bootstrap, sc
         sink.producer.close()
     records = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == session["session_id"])
     assert sorted(r["turn"] for r in records) == [0, 1]
+
+
+def test_a_prompt_too_large_to_record_is_413_before_the_engine_runs(make_gateway, run_id):
+    with make_gateway(engines=("http://127.0.0.1:9",), max_event_bytes=100_000) as gateway:  # no engine there
+        session = open_session(gateway, run_id)
+        chat = f"{session['base_url']}/chat/completions"
+        big = httpx.post(chat, json={"model": "m", "messages": [{"role": "user", "content": "x" * 120_000}]})
+        assert big.status_code == 413, big.text  # not 503: the engine was never asked
+        error = big.json()["error"]
+        assert error["param"] == "messages" and "forge.completions takes at most 100000" in error["message"]
+        small = httpx.post(chat, json={"model": "m", "messages": [{"role": "user", "content": "x" * 80_000}]})
+        assert small.status_code == 503, small.text
+        batch = httpx.post(f"{gateway}/v1/completions", headers={"X-Forge-Session": session["session_id"]},
+                           json={"model": "m", "prompt": ["y" * 60_000, "z" * 60_000]})
+        assert batch.status_code == 503, batch.text  # each prompt is its own event
+
+
+@pytest.mark.parametrize("refs", [True, False])
+def test_a_long_session_fits_when_its_prompts_go_by_reference(make_gateway, scripted_url, run_id, refs):
+    with make_gateway(engines=(scripted_url,), max_event_bytes=150_000, prompt_refs=refs) as gateway:
+        session = open_session(gateway, run_id)
+        chat = f"{session['base_url']}/chat/completions"
+        messages = [{"role": "user", "content": "a" * 80_000}]
+        first = httpx.post(chat, json={"model": "m", "messages": messages})
+        assert first.status_code == 200, first.text
+        messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "b" * 80_000}]
+        second = httpx.post(chat, json={"model": "m", "messages": messages})
+        assert second.status_code == (200 if refs else 413), second.text

@@ -11,10 +11,11 @@ from transformers import AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import TOOL_REPLY, read_events
+from helpers import TOOL_REPLY
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
@@ -52,7 +53,7 @@ def _client(session) -> OpenAI:
 
 
 def _records(bootstrap, session_id):
-    return sorted(read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == session_id),
+    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

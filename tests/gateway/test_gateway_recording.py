@@ -4,6 +4,7 @@ import httpx
 import orjson
 
 from forge_stream.gateway.scripted import EOS, decode, encode, logprob, render
+from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
@@ -11,7 +12,7 @@ from helpers import read_events
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == session_id),
+    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

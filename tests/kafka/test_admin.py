@@ -1,10 +1,13 @@
-"""`describe` (behind `forge-stream status`) on the real broker: lag of groups that never committed."""
+"""`describe` (behind `forge-stream status`) on the real broker: lag of groups that never committed; the catalog's
+message size limits on the topics and in the producer."""
 
+import random
 import time
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, KafkaError, KafkaException
 
-from forge_stream.kafka.admin import describe
+from forge_stream.bench.codec import completion
+from forge_stream.kafka.admin import describe, topic_problems
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
@@ -34,3 +37,21 @@ def test_a_group_that_never_committed_lags_by_the_whole_partition(kafka_bootstra
     assert whole >= 3 and lag["lag"] == whole, "nothing committed: every record of the partitions is behind"
     assert lag["lag_by_topic"] == {TOPICS.tasks.name: whole}
     assert len(lag["uncommitted"]) == TOPICS.tasks.partitions
+
+
+def test_topics_take_the_catalogs_message_sizes_and_the_producer_checks_them(kafka_bootstrap, run_id):
+    assert topic_problems(kafka_bootstrap)["configs"] == []  # max.message.bytes included
+    producer = EventProducer(kafka_bootstrap)
+    rng = random.Random(0)
+    try:
+        record = completion(rng, 700_000, 10)  # about 2 MB: over Kafka's default 1 MB, within forge.completions
+        record["completion_logprobs"] = record["completion_logprobs"][:10]
+        assert producer.send_sync(TOPICS.completions, run_id, record) >= 0
+        record["prompt_token_ids"] = record["prompt_token_ids"] * 5  # about 10 MB: over the topic's 8 MiB
+        try:
+            producer.send_sync(TOPICS.completions, run_id, record)
+            raise AssertionError("an event over the topic's limit was sent")
+        except KafkaException as exc:
+            assert exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE and "forge.completions" in str(exc)
+    finally:
+        producer.close()

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import httpx
-from helpers import read_events
 
+from forge_stream.kafka.history import read_completions
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.rollout.client import RetryPolicy
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
@@ -56,7 +56,7 @@ def test_tools_and_tool_errors():
 
 
 def completions(bootstrap, session_id):
-    found = read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == session_id)
+    found = read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id)  # prompts whole
     return sorted(found, key=lambda r: r["turn"])
 
 
