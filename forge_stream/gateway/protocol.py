@@ -120,7 +120,7 @@ class SessionView(_Model):
     pending_tool_calls: list[str]
 
 
-# JSON schemas of the OpenAI requests, as far as the gateway checks them (serving.check_request), for the OpenAPI
+# JSON schemas of the OpenAI requests, as far as the gateway checks them (checks.check_request), for the OpenAPI
 # document; the other fields of OpenAI's requests are forwarded to the engine unchecked.
 _SAMPLING = {
     "model": {"type": "string"},

@@ -10,7 +10,7 @@ reference to it (forge_stream.events.prompts; `GatewaySettings.prompt_refs`), so
 with its turns, not with their square.
 
 Limits (GatewaySettings) are checked before a request reaches an engine or Kafka: a body's size and JSON depth
-(forge_stream.httpbody), identifiers (`check_id`), OpenAI requests (`check_request`), and the least size its
+(forge_stream.httpbody), identifiers and OpenAI requests (forge_stream.gateway.checks), and the least size its
 Completion events will have (`_check_event_size`); each answers 4xx. An event that still turns out larger than its
 topic takes (the engine's token ids added) is 413 too, after the engine ran, and nothing is recorded.
 
@@ -22,8 +22,6 @@ wait for them.
 from __future__ import annotations
 
 import asyncio
-import math
-import re
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Protocol
@@ -36,6 +34,7 @@ from forge_stream.events import deterministic_id, new_event_id, now_ms
 from forge_stream.events.prompts import Lane, by_reference, message_digest, shared_prefix
 from forge_stream.gateway import messages
 from forge_stream.gateway.admission import Admission, Lease
+from forge_stream.gateway.checks import check_id, check_request
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
@@ -62,98 +61,6 @@ class EventSink(Protocol):
     """Where events go; `send` resolves once the event is durable (EventProducer is the real one)."""
 
     def send(self, topic: Topic, key: str, record: dict, schema: str | None = None) -> Awaitable[int]: ...
-
-
-SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]*")  # one URL path segment, never "." or ".."
-
-
-def check_id(value: str, param: str, max_length: int, *, path_segment: bool = False) -> None:
-    """An identifier recorded in events (and, for session ids, put in URLs): 1 to `max_length` printable
-    characters; a session id only letters, digits and `_-.:`, not starting with a dot."""
-    if not 0 < len(value) <= max_length:
-        raise invalid(f"'{param}' must be 1 to {max_length} characters long.", param)
-    if path_segment and not SESSION_ID.fullmatch(value):
-        raise invalid(f"'{param}' may contain only letters, digits and '_', '-', '.', ':' and may not start with "
-                      f"a dot.", param)
-    if not value.isprintable():
-        raise invalid(f"'{param}' may not contain control characters (CR, LF, tab...).", param)
-
-
-def _number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"'{name}' must be a finite number.", name)
-    return value
-
-
-def _is_token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
-
-
-def _prompt_count(prompt) -> int:
-    """The number of prompts in a completions `prompt` (a string, token ids, or a list of either)."""
-    if isinstance(prompt, str) and prompt:
-        return 1
-    if _is_token_ids(prompt):
-        return 1
-    if isinstance(prompt, list) and prompt and all(
-            (isinstance(p, str) and p) or _is_token_ids(p) for p in prompt):
-        return len(prompt)
-    raise invalid("'prompt' must be a non-empty string, a list of token ids (integers from 0), or a non-empty "
-                  "list of either.", "prompt")
-
-
-def _check_messages(body: dict) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty list of messages.", "messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid(f"messages[{i}] must be an object with a string 'role'.", f"messages.{i}")
-        if not isinstance(message.get("tool_call_id", ""), (str, type(None))):
-            raise invalid(f"messages[{i}].tool_call_id must be a string.", f"messages.{i}.tool_call_id")
-        if not isinstance(message.get("tool_calls", []), (list, type(None))):
-            raise invalid(f"messages[{i}].tool_calls must be a list.", f"messages.{i}.tool_calls")
-    if body.get("tools") is not None and not isinstance(body["tools"], list):
-        raise invalid("'tools' must be a list.", "tools")
-
-
-def check_request(kind: Kind, body, limits: GatewaySettings) -> int:
-    """Check an OpenAI request body against what the gateway relies on and its limits; returns n."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
-    if kind == "chat":
-        _check_messages(body)
-        prompts = 1
-    else:
-        prompts = _prompt_count(body.get("prompt"))
-    n = body.get("n")
-    n = 1 if n is None else n
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise invalid("'n' must be a positive integer.", "n")
-    if n * prompts > limits.max_choices:
-        raise invalid(f"This request asks for {n * prompts} choices ({prompts} prompt(s) x n={n}); the gateway "
-                      f"allows at most {limits.max_choices} per request: split it into several requests.",
-                      "n" if prompts == 1 else "prompt")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value <= limits.max_tokens):
-            raise invalid(f"'{name}' must be an integer from 1 to {limits.max_tokens}.", name)
-    temperature = _number(body, "temperature")
-    if temperature is not None and temperature != 0 and not (
-            limits.min_temperature <= temperature <= limits.max_temperature):
-        raise invalid(f"'temperature' must be 0 (greedy) or from {limits.min_temperature} to "
-                      f"{limits.max_temperature}.", "temperature")
-    top_p = _number(body, "top_p")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise invalid("'top_p' must be greater than 0 and at most 1.", "top_p")
-    if not isinstance(body.get("stream", False), (bool, type(None))):
-        raise invalid("'stream' must be a boolean.", "stream")
-    return n
 
 
 def upstream_body(kind: Kind, body: dict) -> bytes:
