@@ -183,8 +183,9 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
     """A JSON-ready picture of the cluster: reachability, topics, end offsets, consumer-group lag.
 
     A group's lag counts, on each partition it committed on, the records after its commit; on a partition its
-    members are assigned but never committed on, the whole partition (it starts from the earliest record).
-    Those partitions are listed under `uncommitted`. A group with no commits and no assignment has lag None
+    members are assigned but never committed on, the whole partition (it starts from the earliest record); such
+    partitions that hold records are listed under `uncommitted`. A stream processor's state topics (changelogs)
+    are not its input and do not count. A group with no commits and no assignment has lag None
     (shown as "no commits"), never 0.
     """
     admin = admin_client(bootstrap)
@@ -219,7 +220,14 @@ def _assigned(future, topics: dict) -> set[tuple[str, int]]:
         members = future.result().members
     except KafkaException:
         return set()
-    return {(tp.topic, tp.partition) for m in members for tp in m.assignment.topic_partitions if tp.topic in topics}
+    return {(tp.topic, tp.partition) for m in members for tp in m.assignment.topic_partitions
+            if tp.topic in topics and not _state_topic(tp.topic)}
+
+
+def _state_topic(name: str) -> bool:
+    """A stream processor's own state (faust's and Kafka Streams' `*-changelog` tables, faust's assignor topic):
+    its workers read it back on recovery and never commit on it, so its records are not a backlog."""
+    return name.endswith("-changelog") or name.endswith("__assignor-__leader")
 
 
 def _lag(committed: dict[tuple[str, int], int], assigned: set[tuple[str, int]], topics: dict) -> dict:
@@ -233,6 +241,7 @@ def _lag(committed: dict[tuple[str, int], int], assigned: set[tuple[str, int]], 
             behind = end - committed[(topic, p)]
         else:
             behind = end - topics[topic]["start_offsets"].get(p, 0)
-            uncommitted.append(f"{topic}[{p}]")
+            if behind:
+                uncommitted.append(f"{topic}[{p}]")
         per_topic[topic] = per_topic.get(topic, 0) + behind
     return {"lag": sum(per_topic.values()), "lag_by_topic": per_topic, "uncommitted": uncommitted}
