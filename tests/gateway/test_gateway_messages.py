@@ -10,6 +10,7 @@ import pytest
 
 from forge_stream.gateway.scripted import EOS, encode, logprob, render
 from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import ADMIN, open_session
@@ -27,7 +28,7 @@ def _client(session, api_key: str = "unused") -> anthropic.Anthropic:
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == session_id),
+    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 
