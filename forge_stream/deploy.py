@@ -109,7 +109,8 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
 
 
 TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss", "eps_low", "eps_high",
-                   "group_timeout", "max_staleness", "stale_action", "token_budget", "wait_s", "from_now")
+                   "group_timeout", "max_staleness", "stale_action", "token_budget", "updates_per_batch", "wait_s",
+                   "from_now")
 
 
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:

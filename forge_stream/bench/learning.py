@@ -42,6 +42,7 @@ class LearningSettings:
     rl_minutes: float = 15.0
     loss: str = "cispo"
     lr: float = 1e-4
+    updates_per_batch: int = 1  # optimizer updates per batch (sample reuse)
     advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
@@ -118,6 +119,7 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale},
             "trainer": {"model": str(warm), "run": RUN, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
+                        "updates_per_batch": s.updates_per_batch,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,
                         "group_timeout": 300, "threads": 1},
         })

@@ -118,6 +118,7 @@ def learning(
     rl_minutes: float = typer.Option(15.0, help="Wall-clock budget of the RL phase."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
+    updates_per_batch: int = typer.Option(1, help="Optimizer updates per batch (sample reuse)."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
     advantage_scale: str = typer.Option("none", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
@@ -135,7 +136,8 @@ def learning(
     """Warm start, held-out eval, RL through the whole pipeline for a fixed budget, held-out eval again."""
     from forge_stream.bench.learning import LearningSettings, run
 
-    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
+    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, updates_per_batch=updates_per_batch,
+                              advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                               concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,
                               seed=seed, bootstrap=bootstrap_servers, home=home, plot=plot),
              progress=lambda line: typer.echo(line, err=True)), as_json)

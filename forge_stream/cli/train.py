@@ -44,6 +44,8 @@ def train(
     eps_high: Optional[float] = typer.Option(None, help="Ratio clip 1 + eps_high (default: the loss's own: "
                                                          "CISPO 4.0, PPO 0.2)."),
     token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
+    updates_per_batch: int = typer.Option(1, help="Optimizer updates per batch (sample reuse, like PPO's epochs; "
+                                                  "the clipped importance ratio weighs the later ones)."),
     wait_s: float = typer.Option(5.0, help="Train a partial batch after waiting this long for a full one."),
     from_now: bool = typer.Option(False, help="A new run trains only on tasks submitted from now on."),
     nproc: int = typer.Option(1, help="Data-parallel ranks on this machine (torchrun; gloo on CPU, NCCL with one "
@@ -73,7 +75,7 @@ def train(
     trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
                               checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
                               step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr,
-                                              token_budget=token_budget),
+                                              token_budget=token_budget, updates=updates_per_batch),
                               wait_s=wait_s, from_now=from_now)
     try:
         run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True), ranks=ranks)

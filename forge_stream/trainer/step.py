@@ -39,6 +39,7 @@ class StepConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     token_budget: int = 16384  # max unique tree rows per micro-batch forward
     chunk_rows: int = 256  # query rows per chunk of CPU tree attention
+    updates: int = 1  # optimizer updates per batch (sample reuse, like PPO's epochs); see train_step
 
     @property
     def bounds(self) -> Clip:
@@ -192,19 +193,9 @@ def rollout_outcomes(samples: Sequence[dict]) -> list[float]:
     return list(seen.values())
 
 
-def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    samples: Sequence[dict],
-    config: StepConfig,
-    policy_version: int,
-    ranks: Ranks | None = None,
-) -> StepStats:
-    """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness.
-
-    With `ranks`, every rank calls it with the same samples, trains its share, and takes the same step."""
-    if not samples:
-        raise ValueError("train_step needs at least one sample")
+def _update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[dict], config: StepConfig,
+            ranks: Ranks | None) -> tuple[dict, float]:
+    """One optimizer update on the samples; a non-finite gradient leaves the weights as they were."""
     optimizer.zero_grad(set_to_none=True)
     if ranks is None:
         acc = accumulate_gradients(model, samples, config)
@@ -219,6 +210,35 @@ def train_step(
         optimizer.step()
     else:  # a non-finite gradient would make every weight NaN: the step changes nothing and says so (grad_norm)
         optimizer.zero_grad(set_to_none=True)
+    return acc, grad_norm
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[dict],
+    config: StepConfig,
+    policy_version: int,
+    ranks: Ranks | None = None,
+) -> StepStats:
+    """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness.
+
+    With `ranks`, every rank calls it with the same samples, trains its share, and takes the same step.
+
+    `config.updates` > 1 reuses the batch: each further update recomputes the log-probs under the weights the
+    last one moved, and the importance ratio against the recorded (sampling) log-probs, clipped by the loss's
+    bounds, weighs it, as PPO's epochs and CISPO's off-policy updates do. The stats (loss, mismatch, ratios,
+    grad norm) are the first update's: the distance between what was sampled and what trains.
+    """
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    if config.updates < 1:
+        raise ValueError(f"updates must be at least 1, not {config.updates}")
+    first: tuple[dict, float] | None = None
+    for _ in range(config.updates):
+        acc, grad_norm = _update(model, optimizer, samples, config, ranks)
+        first = first or (acc, grad_norm)
+    acc, grad_norm = first
     total = sum(ref["length"] for s in samples for ref in s["sequences"])
     unique = sum(len(s["token_ids"]) for s in samples)
     rewards = [ref["reward"] for s in samples for ref in s["sequences"]]

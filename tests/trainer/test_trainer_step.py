@@ -187,3 +187,25 @@ def test_a_non_finite_gradient_changes_no_weight():
     stats = train_step(model, build_optimizer(model, config), samples, config, policy_version=5)
     assert stats.grad_norm != stats.grad_norm  # reported as NaN
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_updates_per_batch_reuse_the_batch_weighed_by_the_importance_ratio():
+    """`updates=2` is two optimizer updates on one batch: the same weights as two single-update steps in a row, the
+    second of which sees ratios away from 1 (the first moved the policy; the recorded log-probs stay the sampling
+    policy's). The step reports the first update's stats: what was sampled against what trained."""
+    base = tiny_causal_lm("llama", dtype=torch.float64, seed=8)
+    samples = _with_old_logprobs(base, _samples())
+    reused, stepped = (tiny_causal_lm("llama", dtype=torch.float64, seed=8) for _ in range(2))
+    two = StepConfig(lr=1e-2, token_budget=20, updates=2)
+    one = StepConfig(lr=1e-2, token_budget=20)
+    stats = train_step(reused, build_optimizer(reused, two), samples, two, policy_version=5)
+    optimizer = build_optimizer(stepped, one)
+    first = train_step(stepped, optimizer, samples, one, policy_version=5)
+    second = train_step(stepped, optimizer, samples, one, policy_version=5)
+    for a, b in zip(reused.parameters(), stepped.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert stats == first
+    assert first.ratio_mean == pytest.approx(1.0) and first.mismatch_max < 1e-9  # on-policy at the first update
+    assert second.mismatch_max > 1e-4 and second.ratio_max > 1.0  # the reuse is off-policy, and weighed so
+    with pytest.raises(ValueError, match="updates must be at least 1"):
+        train_step(reused, build_optimizer(reused, one), samples, StepConfig(updates=0), policy_version=5)
