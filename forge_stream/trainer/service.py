@@ -68,6 +68,29 @@ def find_checkpoint(checkpoint_dir: Path, version: int) -> Path | None:
     return found[-1] if found else None
 
 
+def rotate_checkpoints(checkpoint_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest attempt of each of the `keep` highest versions; return what was deleted.
+
+    A version has several folders when the trainer re-ran its step after a crash (the first attempt was written,
+    its TrainStep was not): the newest one is the one a resume loads (`find_checkpoint`) and the one re-published,
+    so superseded attempts go first, whatever their random suffixes sort like.
+    """
+    newest: dict[int, Path] = {}
+    doomed: list[Path] = []
+    for path in sorted(checkpoint_dir.glob("v*-*"), key=lambda p: p.stat().st_mtime):
+        try:
+            version = int(path.name[1:].split("-", 1)[0])
+        except ValueError:
+            continue  # not a checkpoint folder of ours
+        if version in newest:
+            doomed.append(newest[version])
+        newest[version] = path
+    doomed += [newest[v] for v in sorted(newest)[:-keep]] if keep > 0 else []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 class PolicyTrainer:
     """The loop's learner (forge_stream.trainer.loop): owns the model, the optimizer and the policy version."""
 
@@ -157,8 +180,7 @@ class PolicyTrainer:
         self.tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state or self.optimizer.state_dict(), tmp / "optimizer.pt")
         tmp.rename(path)  # a checkpoint folder exists only once complete
-        for old in sorted(root.glob("v*-*"))[: -self.settings.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(root, self.settings.keep_checkpoints)
         return path
 
 

@@ -121,3 +121,22 @@ def test_trainer_rejects_samples_it_cannot_train_on(tiny_model_dir, tmp_path, ru
     with pytest.raises(FloatingPointError, match="non-finite weights"):
         trainer.checkpoint()
     assert trainer.policy_version == 0 and not list(tmp_path.glob("v*"))
+
+
+def test_rotation_keeps_the_newest_attempt_of_the_newest_versions(tmp_path):
+    """Version 5 was written three times (steps re-run after crashes): the newest attempt is what a resume loads,
+    so rotation drops the superseded attempts before any version, whatever their random suffixes sort like."""
+    import os
+
+    from forge_stream.trainer.service import find_checkpoint, rotate_checkpoints
+
+    folders = ["v000003-cccc", "v000004-bbbb", "v000005-ffff", "v000005-eeee", "v000005-0000", "v000006-9999"]
+    for age, name in enumerate(folders):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (1_000_000 + age, 1_000_000 + age))  # written in this order
+    (tmp_path / ".tmp-v000007-aaaa").mkdir()  # a save in progress is not a checkpoint
+    deleted = rotate_checkpoints(tmp_path, keep=3)
+    assert sorted(p.name for p in deleted) == ["v000003-cccc", "v000005-eeee", "v000005-ffff"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-v000007-aaaa", "v000004-bbbb", "v000005-0000",
+                                                          "v000006-9999"]
+    assert find_checkpoint(tmp_path, 5).name == "v000005-0000"
