@@ -34,3 +34,27 @@ def generate(
     else:
         out.write_text(text)
         typer.echo(f"wrote {n} {split} tasks to {out}", err=True)
+
+
+@app.command("probe")
+def probe_command(
+    model: Optional[Path] = typer.Option(None, help="Policy (HF directory); default: the demo model of FORGE_HOME."),
+    n: int = typer.Option(150, help="Held-out tasks."),
+    seed: int = typer.Option(0, help="Seed of the held-out stream."),
+    mix: Optional[str] = typer.Option(None, help="Domain weights, e.g. 'reasoning=1,agent=2,lookup=1'."),
+    difficulty: int = typer.Option(1, help="Task difficulty."),
+) -> None:
+    """Teacher-forced: per domain and turn, how likely the policy produces the ideal turn, and its worst tokens
+    (forge_stream/tasks/probe.py)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forge_stream.cli.options import settings
+    from forge_stream.tasks.probe import probe
+    from forge_stream.tasks.suite import parse_mix
+
+    path = model or settings(None).model_dir
+    report = probe(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), n, seed,
+                   parse_mix(mix), difficulty)
+    typer.echo(json.dumps(report, indent=1))
