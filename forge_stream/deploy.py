@@ -3,6 +3,12 @@
 A topology names the broker (embedded or external) and the services to run. Each service name maps to a
 builder here that turns the settings into a `ServiceSpec` (a real process). `up` is idempotent: what already runs
 is left alone.
+
+A topology may span hosts (topologies/cluster.yaml): `kafka.bootstrap_servers` names an external cluster, and a
+service's `hosts:` lists where it runs (one instance per host; a trainer with `nnodes` > 1 is one torchrun node
+per host, its node rank the host's index). `plan` says what runs where (`forge-stream up TOPOLOGY --dry-run`
+prints it); `forge-stream up TOPOLOGY --host NAME` on each host starts that host's share. A service without
+`hosts:` runs on every host that runs `up` without `--host`, i.e. this machine.
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ class Topology:
     name: str
     services: list[str]
     options: dict[str, dict] = field(default_factory=dict)
+    hosts: dict[str, list[str]] = field(default_factory=dict)  # service -> the hosts it runs on (none: this one)
+    bootstrap_servers: str | None = None  # kafka.bootstrap_servers: an external cluster
+
+    def settings_for(self, settings: ForgeSettings) -> ForgeSettings:
+        """The settings with the topology's external cluster, unless --bootstrap-servers named one."""
+        if self.bootstrap_servers and settings.embedded:
+            return settings.model_copy(update={"bootstrap_servers": self.bootstrap_servers})
+        return settings
 
 
 def load_topology(name_or_path: str) -> Topology:
@@ -41,21 +55,56 @@ def load_topology(name_or_path: str) -> Topology:
         known = ", ".join(sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml")))
         raise FileNotFoundError(f"no topology {name_or_path!r}; known: {known}")
     raw = yaml.safe_load(path.read_text())
-    services, options = [], {}
+    services, options, hosts = [], {}, {}
     for item in raw.get("services", []):
         name, opts = (item, {}) if isinstance(item, str) else next(iter(item.items()))
         if name not in BUILDERS:
             raise ValueError(f"{path}: unknown service {name!r}; known: {', '.join(sorted(BUILDERS))}")
+        opts = dict(opts or {})
+        placed = opts.pop("hosts", None) or ([opts.pop("host")] if "host" in opts else [])
+        if isinstance(placed, str) or not all(isinstance(h, str) and h for h in placed):
+            raise ValueError(f"{path}: {name}.hosts must be a list of host names")
         services.append(name)
-        options[name] = opts or {}
-    return Topology(raw.get("name", path.stem), services, options)
+        options[name] = opts
+        if placed:
+            hosts[name] = list(placed)
+    kafka = raw.get("kafka") or {}
+    return Topology(raw.get("name", path.stem), services, options, hosts, kafka.get("bootstrap_servers"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    host: str  # "" for this machine
+    spec: ServiceSpec
+
+
+def plan(settings: ForgeSettings, topology: Topology, host: str | None = None) -> list[Placement]:
+    """What runs where, in start order: every placement, or only `host`'s (None: the services placed on no host).
+
+    A trainer placed on several hosts with `nnodes` is one torchrun node per host (`node_rank` = the host's index,
+    the first host the rendezvous master unless `master_addr` says otherwise).
+    """
+    settings = topology.settings_for(settings)
+    out = []
+    for name in topology.services:
+        placed = topology.hosts.get(name, [""])
+        for rank, where in enumerate(placed):
+            if host is not None and where != host or host is None and where:
+                continue
+            opts = topology.options[name]
+            if name == "trainer" and int(opts.get("nnodes", 1)) > 1:
+                if len(placed) != int(opts["nnodes"]):
+                    raise ValueError(f"trainer: nnodes {opts['nnodes']} but {len(placed)} hosts")
+                opts = {"master_addr": f"{placed[0]}:29500", **opts, "node_rank": rank}
+            out.append(Placement(where, BUILDERS[name](settings, opts)))
+    return out
 
 
 def registry_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     port = opts.get("port", settings.registry_port)
     return ServiceSpec.python(
         "registry", "uvicorn", "forge_stream.schema_registry:create_app", "--factory",
-        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        "--host", str(opts.get("bind", "127.0.0.1")), "--port", str(port), "--log-level", "warning",
         health_url=f"http://127.0.0.1:{port}/subjects", url=f"http://127.0.0.1:{port}",
     )
 
@@ -90,12 +139,16 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
+GATEWAY_OPTIONS = ("public_url", "workers", "max_in_flight", "max_waiting", "max_open_sessions")
+
+
 def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     port = opts.get("port", settings.gateway_port)
     engines = opts.get("engines", [f"http://127.0.0.1:{settings.engine_port}"])
     return ServiceSpec.python(
         "gateway", "forge_stream", "gateway", "serve", *(a for url in engines for a in ("--engine", url)),
-        "--port", str(port), "--bootstrap-servers", settings.bootstrap,
+        "--port", str(port), "--bootstrap-servers", settings.bootstrap, *_flags(opts, GATEWAY_OPTIONS),
+        *(["--host", str(opts["bind"])] if "bind" in opts else []),  # `host:` places a service; `bind:` listens
         health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}",
     )
 
@@ -104,13 +157,14 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
         "--data-dir", str(settings.home / "processors"),
-        "--group-timeout-s", str(opts.get("group_timeout_s", 600)), *_flags(opts, ("advantage", "advantage_scale", "gamma")),
+        "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
+        *_flags(opts, ("advantage", "advantage_scale", "gamma")),
     )
 
 
-TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss", "eps_low", "eps_high",
-                   "group_timeout", "max_staleness", "stale_action", "token_budget", "updates_per_batch", "wait_s",
-                   "from_now")
+TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss",
+                   "eps_low", "eps_high", "group_timeout", "max_staleness", "stale_action", "token_budget",
+                   "updates_per_batch", "wait_s", "from_now", "nproc", "fsdp", "nnodes", "node_rank", "master_addr")
 
 
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
@@ -138,7 +192,8 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     if not tasks.startswith("suite:") and (REPO_DIR / tasks).is_file():
         tasks = str(REPO_DIR / tasks)
     args = ["rollout", "run", "--tasks", tasks, "--agent", topology_command(opts["agent"]),
-            "--gateway-url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}",
+            "--gateway-url",
+            opts.get("gateway_url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}"),
             "--bootstrap-servers", settings.bootstrap]
     for name in ("name", "concurrency", "group_size", "agent_workers", "agent_per_worker", "agent_timeout",
                  "attempt", "max_groups"):
@@ -149,6 +204,15 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python("controller", "forge_stream", *args)
 
 
+def vllm_sync_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    """Pushes each new policy version of a run into `vllm serve` workers (forge_stream/engine/vllm_sync.py)."""
+    if not opts.get("workers"):
+        raise ValueError("the vllm_sync service needs `workers`: the base URLs of the vllm serve workers")
+    return ServiceSpec.python(
+        "vllm_sync", "forge_stream", "engine", "vllm-sync", *(a for url in opts["workers"] for a in ("--worker", url)),
+        "--run", str(opts.get("run", "default")), "--bootstrap-servers", settings.bootstrap)
+
+
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
     "engine": engine_service,
@@ -156,6 +220,7 @@ BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "processors": processors_service,
     "trainer": trainer_service,
     "controller": controller_service,
+    "vllm_sync": vllm_sync_service,
 }
 
 
@@ -201,23 +266,51 @@ def local_broker(settings: ForgeSettings) -> LocalBroker:
                                     settings.kafka_controller_port, settings.kafka_heap, rebalance_delay_ms=0))
 
 
-def up(settings: ForgeSettings, topology: Topology, echo=print) -> dict:
+def describe_plan(settings: ForgeSettings, topology: Topology, host: str | None = None) -> dict:
+    """What `up` would run where (`forge-stream up TOPOLOGY --dry-run`), without starting anything: the broker and
+    per host each service's command line and environment (the paths are this machine's install)."""
+    settings = topology.settings_for(settings)
+    placements = [p for h in ([host] if host is not None else [None, *_all_hosts(topology)])
+                  for p in plan(settings, topology, h)]
+    hosts: dict[str, list[dict]] = {}
+    for p in placements:
+        hosts.setdefault(p.host or "(this machine)", []).append({
+            "service": p.spec.name, "command": shlex.join(p.spec.argv), "env": p.spec.env,
+            "health": p.spec.health_url})
+    return {"topology": topology.name, "kafka": "embedded broker on this machine" if settings.embedded
+            else settings.bootstrap, "hosts": hosts}
+
+
+def _all_hosts(topology: Topology) -> list[str]:
+    return list(dict.fromkeys(h for name in topology.services for h in topology.hosts.get(name, [])))
+
+
+def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None = None) -> dict:
     """Start the broker (if embedded), create missing topics and check every topic against the catalog (raising
-    TopicMismatch, with the fix, before anything starts), start the supervisor and through it the services;
-    returns where everything is."""
+    TopicMismatch, with the fix, before anything starts), start the supervisor and through it the services placed
+    on `host` (None: those placed on no host); returns where everything is."""
+    settings = topology.settings_for(settings)
+    placements = plan(settings, topology, host)
+    if host is not None and not placements:
+        raise ValueError(f"topology {topology.name} places nothing on host {host!r}; its hosts: "
+                         f"{', '.join(_all_hosts(topology)) or 'none'}")
+    if settings.embedded and topology.hosts:
+        raise ValueError(f"topology {topology.name} spans hosts: it needs a Kafka cluster they all reach "
+                         "(kafka.bootstrap_servers in the topology, or --bootstrap-servers)")
     if settings.embedded:
         echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
         local_broker(settings).start(echo)
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
     topics = create_topics(settings.bootstrap)
     check_topics(settings.bootstrap)
-    if "engine" in topology.services and "model" not in topology.options["engine"]:
+    names = [p.spec.name for p in placements]
+    if "engine" in names and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)
     supervisor = Supervisor(settings.run_dir)
     started = {}
-    for name in topology.services:
-        echo(f"Starting {name}...")
-        started[name] = supervisor.start(BUILDERS[name](settings, topology.options[name]))
+    for placement in placements:
+        echo(f"Starting {placement.spec.name}...")
+        started[placement.spec.name] = supervisor.start(placement.spec)
     return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
             "topics": topics, "supervisor": supervisor.daemon_pid(),
             "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}

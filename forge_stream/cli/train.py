@@ -51,6 +51,9 @@ def train(
     nproc: int = typer.Option(1, help="Data-parallel ranks on this machine (torchrun; gloo on CPU, NCCL with one "
                                       "GPU per rank)."),
     fsdp: bool = typer.Option(False, help="Shard the model over the ranks with FSDP (GPU only)."),
+    nnodes: int = typer.Option(1, help="Machines taking part (each runs this command with its --node-rank)."),
+    node_rank: int = typer.Option(0, help="This machine's index among --nnodes (0 consumes from Kafka)."),
+    master_addr: Optional[str] = typer.Option(None, help="HOST:PORT of node 0's rendezvous (with --nnodes > 1)."),
 ) -> None:
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
     import torch.distributed
@@ -60,8 +63,10 @@ def train(
     from forge_stream.trainer.service import TrainerSettings, run_trainer
     from forge_stream.trainer.step import StepConfig, clip_for
 
-    if (nproc > 1 or fsdp) and not distributed.under_torchrun():
-        raise typer.Exit(distributed.launch(nproc, sys.argv[1:]))
+    if (nproc > 1 or fsdp or nnodes > 1) and not distributed.under_torchrun():
+        if nnodes > 1 and not master_addr:
+            raise typer.BadParameter("--nnodes > 1 needs --master-addr HOST:PORT (node 0's rendezvous)")
+        raise typer.Exit(distributed.launch(nproc, sys.argv[1:], nnodes, node_rank, master_addr))
     ranks = distributed.from_env(fsdp) if distributed.under_torchrun() else None
     rank = "" if ranks is None else f"rank {ranks.rank} "
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")

@@ -18,12 +18,19 @@ console = Console(stderr=True)
 
 
 def up(topology: str = typer.Argument("local", help="A name under topologies/ or a YAML path."),
-       bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
+       bootstrap_servers: Optional[str] = BootstrapOption,
+       host: Optional[str] = typer.Option(None, help="Start the services the topology places on this host."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run where; start nothing."),
+       as_json: bool = JsonOption) -> None:
     """Start the broker (embedded unless --bootstrap-servers), create topics, start the topology's services."""
     cfg = settings(bootstrap_servers)
+    if dry_run:
+        _print_plan(deploy.describe_plan(cfg, deploy.load_topology(topology), host), as_json)
+        return
     try:
-        result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"))
-    except (TopicMismatch, ServiceError) as exc:
+        result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"),
+                           host=host)
+    except (TopicMismatch, ServiceError, ValueError) as exc:
         typer.echo(f"forge-stream up failed: {exc}", err=True)
         raise typer.Exit(1)
     if as_json:
@@ -34,6 +41,19 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
         console.print(f"  {name:<12} {svc['url'] or '(no port)'}  pid {svc['pid']}  log {svc['log']}")
     console.print(f"A supervisor (pid {result['supervisor']}) restarts a service that dies. "
                   "Stop with `forge-stream down`; inspect with `forge-stream status`.")
+
+
+def _print_plan(result: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"topology {result['topology']}: Kafka {result['kafka']}")
+    for host, services in result["hosts"].items():
+        typer.echo(f"\n{host}:" + ("" if host == "(this machine)" else f"  forge-stream up {result['topology']} "
+                                                                        f"--host {host}"))
+        for s in services:
+            env = " ".join(f"{k}={v}" for k, v in s["env"].items())
+            typer.echo(f"  {s['service']:<11} {env + ' ' if env else ''}{s['command']}")
 
 
 def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:

@@ -141,11 +141,30 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(nproc: int, argv: Sequence[str]) -> int:
-    """Run `python -m forge_stream ARGV` as `nproc` ranks under torchrun on this machine; its exit status."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "forge_stream", "--", *argv]  # "--": torchrun's parser would take --nproc, --run for its own
-    return subprocess.run(command).returncode
+def torchrun_command(nproc: int, argv: Sequence[str], nnodes: int = 1, node_rank: int = 0,
+                     master_addr: str | None = None) -> list[str]:
+    """torchrun running `python -m forge_stream ARGV` as `nproc` ranks here, one node of `nnodes`.
+
+    >>> torchrun_command(2, ["train"])[3:7]
+    ['--standalone', '--nproc-per-node', '2', '-m']
+    >>> torchrun_command(4, ["train"], 2, 1, "trainer-0:29500")[3:13]
+    ['--nnodes', '2', '--node-rank', '1', '--master-addr', 'trainer-0', '--master-port', '29500', '--nproc-per-node', '4']
+    """
+    if nnodes > 1:
+        addr, _, port = (master_addr or "").rpartition(":")
+        if not addr or not port.isdigit():
+            raise ValueError(f"master_addr must be HOST:PORT, not {master_addr!r}")
+        where = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", addr, "--master-port", port]
+    else:
+        where = ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(nproc),
+            "-m", "forge_stream", "--", *argv]  # "--": torchrun's parser would take --nproc, --run for its own
+
+
+def launch(nproc: int, argv: Sequence[str], nnodes: int = 1, node_rank: int = 0, master_addr: str | None = None
+           ) -> int:
+    """Run `python -m forge_stream ARGV` under torchrun (this node of `nnodes`); its exit status."""
+    return subprocess.run(torchrun_command(nproc, argv, nnodes, node_rank, master_addr)).returncode
 
 
 def shard_model(model: torch.nn.Module) -> None:

@@ -31,18 +31,3 @@ def test_controller_needs_an_agent_and_is_not_in_the_default_topology():
     with pytest.raises(ValueError, match="agent"):
         BUILDERS["controller"](ForgeSettings(), {})
 
-
-def test_every_trainer_option_of_a_topology_is_a_flag_of_forge_stream_train():
-    """A topology option the builder passes on must be one `forge-stream train` takes, or the trainer crash-loops."""
-    import typer.main
-
-    from forge_stream.cli import app
-    from forge_stream.deploy import TRAINER_OPTIONS
-
-    train = typer.main.get_command(app).commands["train"]
-    flags = {opt for param in train.params for opt in param.opts}
-    opts = {name: "x" for name in TRAINER_OPTIONS}
-    spec = BUILDERS["trainer"](ForgeSettings(bootstrap_servers="127.0.0.1:1234"), opts)
-    passed = {word for word in spec.argv if word.startswith("--")}
-    assert "--updates-per-batch" in passed
-    assert passed <= flags, passed - flags

@@ -1,0 +1,86 @@
+"""Shipped topologies: every flag a service builder passes is one its command takes, and a topology across hosts
+(topologies/cluster.yaml) places each service where it says, which `forge-stream up --dry-run` prints."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import typer.main
+
+from forge_stream.cli import app
+from forge_stream.deploy import TOPOLOGY_DIR, load_topology, plan, up
+from forge_stream.settings import ForgeSettings
+
+SETTINGS = ForgeSettings(bootstrap_servers="127.0.0.1:1234")
+
+
+def _command(argv: list[str]):
+    """The click command a service's argv runs (`python -m forge_stream[.engine] GROUP... CMD --flags`)."""
+    assert argv[1] == "-m" and argv[2] in ("forge_stream", "forge_stream.engine"), argv
+    command = typer.main.get_command(app)
+    words = (["engine"] if argv[2] == "forge_stream.engine" else []) + argv[3:]
+    for word in words:
+        if word.startswith("-") or not hasattr(command, "commands"):
+            break
+        command = command.commands[word]
+    return command
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml")))
+def test_every_flag_a_topology_passes_is_taken_by_its_command(name):
+    topology = load_topology(name)
+    hosts = [None, *dict.fromkeys(h for hs in topology.hosts.values() for h in hs)]
+    placements = [p for host in hosts for p in plan(SETTINGS, topology, host)]
+    assert {p.spec.name for p in placements} == set(topology.services)
+    for placement in placements:
+        argv = placement.spec.argv
+        if argv[2] == "uvicorn":
+            continue
+        command = _command(argv)
+        flags = {opt for param in command.params for opt in param.opts}
+        passed = {word for word in argv if word.startswith("--")}
+        assert passed <= flags, f"{name}/{placement.spec.name}: {sorted(passed - flags)} not taken by the command"
+
+
+def test_the_cluster_topology_places_each_service_on_its_hosts():
+    topology = load_topology("cluster")
+    assert topology.bootstrap_servers == "kafka-0:9092,kafka-1:9092,kafka-2:9092"
+    local = ForgeSettings()  # no --bootstrap-servers: the topology's cluster is used, not an embedded broker
+    assert plan(local, topology, None) == []  # every service of a cluster is placed on a host
+    by_host = {h: [p.spec for p in plan(local, topology, h)]
+               for h in ("ctl-0", "gw-0", "gw-1", "proc-0", "proc-1", "train-0", "train-1")}
+    assert [s.name for s in by_host["ctl-0"]] == ["registry", "vllm_sync", "controller"]
+    assert all([s.name for s in by_host[h]] == ["gateway"] for h in ("gw-0", "gw-1"))
+    assert all([s.name for s in by_host[h]] == ["processors"] for h in ("proc-0", "proc-1"))
+    for rank, host in enumerate(("train-0", "train-1")):
+        (trainer,) = by_host[host]
+        option = dict(zip(trainer.argv, trainer.argv[1:]))
+        assert (option["--nnodes"], option["--node-rank"], option["--master-addr"]) == ("2", str(rank),
+                                                                                       "train-0:29500")
+        assert option["--nproc"] == "8" and "--fsdp" in trainer.argv
+    for specs in by_host.values():
+        for spec in specs:
+            if "--bootstrap-servers" in spec.argv:
+                assert spec.argv[spec.argv.index("--bootstrap-servers") + 1] == topology.bootstrap_servers
+    gateway = by_host["gw-0"][0].argv
+    assert gateway.count("--engine") == 4 and gateway[gateway.index("--host") + 1] == "0.0.0.0"
+    with pytest.raises(ValueError, match="places nothing on host 'gpu-9'"):
+        up(local, topology, host="gpu-9")
+
+
+def test_up_dry_run_prints_what_runs_where_and_starts_nothing(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "forge_stream", "up", "cluster", "--dry-run", "--json"],
+                         capture_output=True, text=True, timeout=120, env={"FORGE_HOME": str(tmp_path),
+                                                                          "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["kafka"] == "kafka-0:9092,kafka-1:9092,kafka-2:9092"
+    assert sorted(result["hosts"]) == ["ctl-0", "gw-0", "gw-1", "proc-0", "proc-1", "train-0", "train-1"]
+    assert "--node-rank 1" in result["hosts"]["train-1"][0]["command"]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "kafka").exists()  # nothing started
+    text = subprocess.run([sys.executable, "-m", "forge_stream", "up", "local", "--dry-run"], capture_output=True,
+                          text=True, timeout=120, env={"FORGE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert text.returncode == 0 and "embedded broker" in text.stdout and "(this machine)" in text.stdout
+    assert [line.split()[0] for line in text.stdout.splitlines() if line.startswith("  ")] == [
+        "registry", "engine", "gateway", "processors", "trainer"]
