@@ -156,7 +156,8 @@ CODE_REPLIES = (
 )
 
 
-def test_smolagents_code_agent_text_mode_records_its_steps(kafka_bootstrap, scripted_gateway, run_id):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_smolagents_code_agent_text_mode_records_its_steps(kafka_bootstrap, scripted_gateway, run_id, stream):
     """smolagents' CodeAgent, unmodified: its code runs in smolagents' interpreter and comes back as `Observation:`
     (or `Call id: ...\\nError:`); the `smolagents` rule, chosen by the X-Forge-Agent name, records each step."""
     with scripted_gateway(CODE_REPLIES) as gateway:
@@ -164,7 +165,7 @@ def test_smolagents_code_agent_text_mode_records_its_steps(kafka_bootstrap, scri
         model = OpenAIServerModel(model_id="scripted", api_base=session["base_url"], api_key="unused",
                                   client_kwargs={"max_retries": 0,
                                                  "default_headers": {"X-Forge-Agent": "smolagents/coder"}})
-        agent = CodeAgent(tools=[calculator], model=model, max_steps=5, verbosity_level=0)
+        agent = CodeAgent(tools=[calculator], model=model, max_steps=5, verbosity_level=0, stream_outputs=stream)
         assert agent.run("What is 6*7?") == "42"
 
     sid = session["session_id"]
