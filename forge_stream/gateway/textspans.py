@@ -6,7 +6,9 @@ A rule maps (the text of an assistant turn, the user message that follows it) to
 name, arguments, result and, where the text tells, whether it failed. Built-in rules are named in `RULES`; a user
 rule is a plain function named by dotted path (`package.module:function`) returning `TextSpan`s or dicts with
 those fields. A session chooses its rule with the metadata key `span_rule` (a built-in name or a dotted path), or
-an agent with its `X-Forge-Agent` name (a built-in name, alone or before `/`, e.g. `smolagents/planner`).
+an agent with its `X-Forge-Agent` name (a built-in name, alone or before `/`, e.g. `smolagents/planner`); the
+session's rule wins. Only the metadata (written by whoever opens sessions: the admin, when auth is on) may name code
+to import; an agent's header selects built-in rules only.
 
 When a request of the agent carries such a pair (its last assistant message followed by a user message), each
 span becomes a ToolSpan recorded exactly like an inferred one (spans.inferred_span): the tool call the span names,
