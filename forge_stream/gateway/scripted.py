@@ -3,14 +3,14 @@
 It is an LLM that returns scripted text over a byte-level tokenizer (token id = UTF-8 byte, EOS = 256), so the
 ids it reports decode back to exactly the text it sent. The prompt is rendered as `<|role|>content\\n` per
 message (tools as JSON first) followed by `<|assistant|>`. Replies cycle through `replies`, except that a request
-with tools whose last message is not a tool result gets `tool_call` (if set), a `<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>` text answered as a tool call (finish_reason "tool_calls"). The logprob of token t
-is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on chat responses (first stream chunk of
-each choice), `prompt_token_ids` per completions choice, `token_ids` per choice or per chunk, OpenAI logprobs,
-`stop_reason` (the `stop` string that cut a reply); a last chunk with `usage` and no choices when
-`stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it behaves as an engine
-that cannot return ids. With `delay_s` each completion takes that long (a stand-in for decoding time, for load
-tests).
+with tools whose last message is not a tool result gets `tool_call` (if set; several cycle like the replies), a
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` text answered as a tool call (finish_reason
+"tool_calls"). The logprob of token t is `-(0.05 + 0.01 * (t % 97))`. Fields follow vLLM: `prompt_token_ids` on
+chat responses (first stream chunk of each choice), `prompt_token_ids` per completions choice, `token_ids` per
+choice or per chunk, OpenAI logprobs, `stop_reason` (the `stop` string that cut a reply); a last chunk with `usage`
+and no choices when `stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it
+behaves as an engine that cannot return ids. With `delay_s` each completion takes that long (a stand-in for
+decoding time, for load tests).
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
 Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
@@ -67,11 +67,13 @@ class ScriptedEngine:
     replies: tuple[str, ...] = ("Hello from the scripted engine.",)
     token_ids: bool = True
     policy_version: int = 0
-    tool_call: str | None = None
+    tool_call: str | tuple[str, ...] | None = None
     delay_s: float = 0.0
 
     def __post_init__(self):
         self._script = itertools.cycle(self.replies)
+        calls = (self.tool_call,) if isinstance(self.tool_call, str) else self.tool_call or ()
+        self._calls = itertools.cycle(calls) if calls else None
 
     def _outputs(self, body: dict, n: int) -> list[tuple[str, list[int], str, str | None]]:
         """(text, token ids, finish_reason, stop_reason) per choice; a reply is cut before the first stop string
@@ -79,7 +81,7 @@ class ScriptedEngine:
         out = []
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 1 << 30
         messages = body.get("messages") or [{}]
-        call = self.tool_call if body.get("tools") and messages[-1].get("role") != "tool" else None
+        call = next(self._calls) if self._calls and body.get("tools") and messages[-1].get("role") != "tool" else None
         stops = body.get("stop") or ()
         stops = [stops] if isinstance(stops, str) else stops
         for _ in range(n):

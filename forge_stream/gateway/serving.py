@@ -14,6 +14,9 @@ Limits (GatewaySettings) are checked before a request reaches an engine or Kafka
 Completion events will have (`_check_event_size`); each answers 4xx. An event that still turns out larger than its
 topic takes (the engine's token ids added) is 413 too, after the engine ran, and nothing is recorded.
 
+A session whose agents send tool results as user messages names a rule that reads its tool spans from the text
+(forge_stream.gateway.textspans: metadata `span_rule`, or a built-in rule's name as `X-Forge-Agent`).
+
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
 (inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
 wait for them.
@@ -51,6 +54,7 @@ from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import (
     PendingCall, SessionKeys, answered_calls, explicit_span, inferred_span, pending_calls,
 )
+from forge_stream.gateway.textspans import METADATA_KEY, TextTurn, agent_rule, load_rule, text_spans
 from forge_stream.topics import TOPICS, Topic
 
 _JSON = {"content-type": "application/json"}
@@ -160,7 +164,9 @@ class GatewayService:
         if session_id in self.sessions:
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
         self.sessions.check_room()
+        rule = load_rule(request.metadata[METADATA_KEY]) if METADATA_KEY in request.metadata else None
         session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
+        session.span_rule = rule
         path = f"/s/{session_id}/v1"
         base_url = (self.settings.public_url or public_base).rstrip("/") + path
         await self.publish([(TOPICS.sessions, request.group_id, {
@@ -226,6 +232,7 @@ class GatewayService:
         session.explicit.clear()
         session.span_ids.clear()
         session.lanes.clear()
+        session.text_turns.clear()
         self.sessions.finished(session)
         return [record["event_id"]]
 
@@ -294,6 +301,13 @@ class GatewayService:
         session.take_answered([call for call, _ in answered])
         spans = [inferred_span(session.keys, call, content, received) for call, content in answered]
         taken = [call for call, _ in answered]
+        rule = session.span_rule or agent_rule(agent)
+        if rule is not None and kind == "chat":  # a text-protocol agent: its tool results come as user messages
+            more, answered_text = text_spans(rule, session.keys, body["messages"], agent, session.text_turns.get(agent),
+                                             session.pending, session.span_ids | {s["span_id"] for s in spans},
+                                             received)
+            session.take_answered(answered_text)
+            spans, taken = spans + more, taken + answered_text
         keys = session.keys
         parts = tuple(orjson.dumps(m) for m in body["messages"]) if kind == "chat" else ()
         ctx = RequestContext(
@@ -384,6 +398,9 @@ class GatewayService:
         for choice, record in zip(choices, records):
             session.add_pending(pending_calls(choice.tool_calls, issued_ms=done,
                                               completion_id=record["completion_id"], agent=ctx.agent))
+        if records and (session.span_rule or agent_rule(ctx.agent)):
+            session.text_turns[ctx.agent] = TextTurn(done, tuple((r["completion_id"], c.text)
+                                                                 for c, r in zip(choices, records)))
 
     async def _relay(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
                      engine: Engine, n: int, spans: list[dict], taken: list[PendingCall],

@@ -21,6 +21,7 @@ from forge_stream.events.prompts import Lane
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse
 from forge_stream.gateway.spans import PendingCall, SessionKeys
+from forge_stream.gateway.textspans import Rule, TextTurn
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Session:
     responses: dict[str, StoredResponse] = field(default_factory=dict)  # Responses API: previous_response_id
     lanes: dict[tuple[str, int], Lane] = field(default_factory=dict)  # (agent, choice) -> last chat completion
     recording: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a turn's events are written
+    span_rule: Rule | None = None  # text-protocol tool spans (textspans), from the metadata's span_rule
+    text_turns: dict[str, TextTurn] = field(default_factory=dict)  # agent -> its last completion, under a rule
 
     @property
     def id(self) -> str:

@@ -101,9 +101,12 @@ def answered_calls(messages: list, pending: dict[str, PendingCall]) -> list[tupl
     return out
 
 
-def inferred_span(keys: SessionKeys, call: PendingCall, result_content, received_ms: int) -> dict:
+def inferred_span(keys: SessionKeys, call: PendingCall, result_content, received_ms: int,
+                  sid: str | None = None) -> dict:
+    """The inferred ToolSpan of `call` answered by `result_content`; its span id derives from the call id unless
+    `sid` is given (textspans: calls named only in an agent's text)."""
     status, error = tool_result_status(result_content)
-    sid = span_id(keys.session_id, call.tool_call_id)
+    sid = sid or span_id(keys.session_id, call.tool_call_id)
     return {
         "event_id": deterministic_id("span-event", sid, "inferred"), "event_time": received_ms, "span_id": sid,
         "session_id": keys.session_id, "group_id": keys.group_id, "task_id": keys.task_id,

@@ -1,9 +1,16 @@
-"""Gateway test helpers: the admin token of the auth tests and opening a session over HTTP."""
+"""Gateway test helpers: the admin token of the auth tests, opening a session over HTTP, and reading a group's
+events back as an outside consumer does."""
 
 import http.client
 import json
 
 import httpx
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from forge_stream.topics import TOPICS
 
 ADMIN = "admin-secret"
 
@@ -34,4 +41,38 @@ def on_one_connection(base_url: str, calls: list[tuple[str, str, bytes | None, d
             out.append((response.status, json.loads(data) if data else {}))
     finally:
         conn.close()
+    return out
+
+
+GATEWAY_TOPICS = (TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
+
+
+def read_recorded(bootstrap: str, registry_url: str, group_id: str) -> dict[str, list[dict]]:
+    """Every event the gateway wrote for `group_id` (the key of its records), topic name -> records in offset order,
+    decoded by confluent-kafka's AvroDeserializer with the writer schemas it fetches from the registry API by the id
+    each record carries. Reads each partition from its start to its current end (acknowledged events are below it).
+    """
+    deserializer = AvroDeserializer(SchemaRegistryClient({"url": registry_url}))
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outside-{group_id}",
+                         "enable.auto.commit": False})
+    out: dict[str, list[dict]] = {topic.name: [] for topic in GATEWAY_TOPICS}
+    try:
+        for topic in GATEWAY_TOPICS:
+            for partition in range(topic.partitions):
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic.name, partition), timeout=10)
+                if high <= low:
+                    continue
+                consumer.assign([TopicPartition(topic.name, partition, low)])
+                offset = low
+                while offset < high:
+                    msg = consumer.poll(10)
+                    assert msg is not None, f"{topic.name}[{partition}] stopped at {offset} before {high}"
+                    if msg.error():
+                        continue
+                    offset = msg.offset() + 1
+                    if msg.key() == group_id.encode():
+                        out[topic.name].append(deserializer(
+                            msg.value(), SerializationContext(topic.name, MessageField.VALUE)))
+    finally:
+        consumer.close()
     return out
