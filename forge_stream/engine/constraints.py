@@ -117,8 +117,9 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_bytes)
 
     def compile(self, structural_tag: dict) -> xgr.CompiledGrammar:
-        """Compile (or find in the cache) a grammar; ValueError-like xgrammar errors for an invalid spec."""
-        return self._compiler.compile_structural_tag(json.dumps(structural_tag, sort_keys=True))
+        """Compile (or find in the cache) a grammar; raises xgrammar's errors for a schema it cannot compile.
+        (Keys keep their order: an object's properties are written in the order its schema lists them.)"""
+        return self._compiler.compile_structural_tag(json.dumps(structural_tag))
 
 
 class Constraint:

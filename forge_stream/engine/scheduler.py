@@ -7,10 +7,10 @@ resend the same system prompt and tools every call, and each turn extends the la
 batched forward per policy version over all active sequences of that version: their caches are left-padded to
 a common length and stacked, an attention mask hides the padding, and each row gets its own position id. The
 stacked cache is kept while the batch membership stays the same and re-packed from per-sequence slices when a
-sequence joins or finishes. A request with a grammar (`tool_choice`, `response_format`) gives each of its choices a
-matcher that masks that row's logits before sampling (forge_stream.engine.constraints). Each sequence is bound to the model that admitted it, so after `swap()` new
-requests use the new weights while running ones finish on the old ones; the old model is dropped when its
-last sequence ends.
+sequence joins or finishes. A request with a grammar (`tool_choice`, `response_format`) gives each of its choices
+a matcher that masks that row's logits before sampling (forge_stream.engine.constraints). Each sequence is bound
+to the model that admitted it, so after `swap()` new requests use the new weights while running ones finish on
+the old ones; the old model is dropped when its last sequence ends.
 
 Results go back through a per-request `sink` callable (the async side wraps an asyncio queue); the loop never
 blocks on a client.

@@ -69,6 +69,7 @@ def test_json_schema_output_validates_and_logprobs_are_of_the_masked_distributio
         assert choice["finish_reason"] == "stop", choice
         content = choice["message"]["content"]
         jsonschema.validate(json.loads(content), FORECAST)
+        assert list(json.loads(content)) == list(FORECAST["properties"])  # in the schema's order
         _check_ids(tokenizer, choice, content)
         _replay(grammars, body, choice["token_ids"], "stop")
     # the reported logprobs are those of the masked distribution sampled from (temperature 1: its log-softmax)
