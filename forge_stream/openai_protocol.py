@@ -113,6 +113,8 @@ class ChatCompletionRequest(OpenAIBaseModel):
     top_p: float | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extensions
     return_token_ids: bool | None = None
@@ -122,6 +124,64 @@ class ChatCompletionRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def tool_names(tools) -> list[str]:
+    """The function names of a chat request's raw `tools` list (entries without a name are left out)."""
+    names = []
+    for tool in tools if isinstance(tools, list) else ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
+
+
+def named_tool(tool_choice) -> str | None:
+    """The function a `tool_choice` names ({"type": "function", "function": {"name": ...}}), else None."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return None
+
+
+def structured_output_error(tools, tool_choice, response_format, parallel_tool_calls=None) -> tuple[str, str] | None:
+    """(param, message) for a chat request's `tool_choice` / `response_format` / `parallel_tool_calls` that cannot
+    be enforced, else None. Takes the raw JSON values, so the gateway checks bodies it does not parse.
+
+    >>> structured_output_error(None, "required", None)
+    ('tool_choice', "tool_choice 'required' needs at least one function in 'tools'.")
+    >>> structured_output_error(None, None, {"type": "json_object"}) is None
+    True
+    """
+    names = tool_names(tools)
+    if tool_choice is not None and tool_choice not in ("none", "auto", "required"):
+        name = named_tool(tool_choice)
+        if name is None:
+            return "tool_choice", ("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                                   f"'function': {{'name': ...}}}}, not {tool_choice!r}.")
+        if name not in names:
+            return "tool_choice", (f"tool_choice names the function {name!r}, which is not among the tools "
+                                   f"({', '.join(map(repr, names)) or 'none given'}).")
+    if tool_choice == "required" and not names:
+        return "tool_choice", "tool_choice 'required' needs at least one function in 'tools'."
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        return "parallel_tool_calls", "parallel_tool_calls must be a boolean."
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        return "response_format", (f"response_format type {kind!r} is not supported: use 'text', 'json_object' or "
+                                   "'json_schema'.")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            return "response_format", ("response_format 'json_schema' needs a 'json_schema' object with the JSON "
+                                       "schema under 'schema'.")
+    return None
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -7,9 +7,10 @@ resend the same system prompt and tools every call, and each turn extends the la
 batched forward per policy version over all active sequences of that version: their caches are left-padded to
 a common length and stacked, an attention mask hides the padding, and each row gets its own position id. The
 stacked cache is kept while the batch membership stays the same and re-packed from per-sequence slices when a
-sequence joins or finishes. Each sequence is bound to the model that admitted it, so after `swap()` new
-requests use the new weights while running ones finish on the old ones; the old model is dropped when its
-last sequence ends.
+sequence joins or finishes. A request with a grammar (`tool_choice`, `response_format`) gives each of its choices
+a matcher that masks that row's logits before sampling (forge_stream.engine.constraints). Each sequence is bound
+to the model that admitted it, so after `swap()` new requests use the new weights while running ones finish on
+the old ones; the old model is dropped when its last sequence ends.
 
 Results go back through a per-request `sink` callable (the async side wraps an asyncio queue); the loop never
 blocks on a client.
@@ -23,7 +24,9 @@ from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from xgrammar import CompiledGrammar
 
+from forge_stream.engine.constraints import Constraint
 from forge_stream.engine.detok import IncrementalText
 from forge_stream.engine.sampling import LogprobsMode, SamplingParams, choose, make_generator
 
@@ -77,6 +80,7 @@ class Request:
     n: int
     sink: Sink
     cancelled: threading.Event = field(default_factory=threading.Event)
+    grammar: CompiledGrammar | None = None  # each choice's output must match it (forge_stream.engine.constraints)
 
 
 @dataclass(eq=False)
@@ -88,6 +92,7 @@ class _Sequence:
     text: IncrementalText
     cache: list[tuple[torch.Tensor, torch.Tensor]]
     cache_len: int
+    constraint: Constraint | None = None
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -302,6 +307,7 @@ class Scheduler:
                     decode=lambda t, skip=params.skip_special_tokens: self._decode(t, skip),
                     stop=params.stop, include_stop=params.include_stop_str_in_output),
                 cache=cache, cache_len=len(request.prompt_ids),
+                constraint=None if request.grammar is None else Constraint(request.grammar),
             )
             self._active.append(seq)
             self._accept(seq, logits)
@@ -356,7 +362,11 @@ class Scheduler:
             seq.finished = True
             return
         params = request.params
+        if seq.constraint is not None:
+            logits = seq.constraint.mask(logits)
         picked = choose(logits, params, seq.generator, self._logprobs_mode)
+        if seq.constraint is not None:
+            seq.constraint.accept(picked.token_id)
         seq.token_ids.append(picked.token_id)
         finish, stop_reason = None, None
         if picked.token_id in params.stop_token_ids:

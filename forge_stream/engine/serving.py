@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from xgrammar import CompiledGrammar
 
+from forge_stream.engine.constraints import Grammars
 from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.engine.settings import EngineSettings
@@ -64,9 +66,10 @@ class EngineService:
     """Generation, model listing and weight reloads for one served model."""
 
     def __init__(self, settings: EngineSettings, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler,
-                 max_model_len: int):
+                 max_model_len: int, grammars: Grammars):
         self.settings = settings
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self._reload_lock = asyncio.Lock()
@@ -93,17 +96,18 @@ class EngineService:
         model = _load_model(settings.model, settings)
         max_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
         eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+        eos = {i for i in eos if i is not None}
         scheduler = Scheduler(
             LoadedModel(model, settings.policy_version, settings.model),
             decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
-            eos_ids={i for i in eos if i is not None},
+            eos_ids=eos,
             max_batch_size=settings.max_batch_size,
             max_model_len=max_len,
             logprobs_mode=settings.logprobs_mode,
             device=settings.device,
             prefix_cache_tokens=settings.prefix_cache_tokens,
         )
-        return cls(settings, tokenizer, scheduler, max_len)
+        return cls(settings, tokenizer, scheduler, max_len, Grammars(tokenizer, model.config.vocab_size, eos))
 
     def start(self) -> None:
         self.scheduler.start()
@@ -117,8 +121,10 @@ class EngineService:
 
     # ----- generation ------------------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> AsyncIterator[Event]:
-        """Events of one request: Admitted, then TokenEvents until all n choices finished (or Failed).
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int,
+                       grammar: CompiledGrammar | None = None) -> AsyncIterator[Event]:
+        """Events of one request: Admitted, then TokenEvents until all n choices finished (or Failed); with a
+        grammar, each choice's tokens match it.
 
         Leaving the iteration early (client gone) cancels the request in the scheduler.
         """
@@ -128,7 +134,7 @@ class EngineService:
             raise self.context_full(len(prompt_ids), params.max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        request = Request(prompt_ids=prompt_ids, params=params, n=n,
+        request = Request(prompt_ids=prompt_ids, params=params, n=n, grammar=grammar,
                           sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         self.scheduler.submit(request)
         running = n
@@ -143,11 +149,11 @@ class EngineService:
         finally:
             request.cancelled.set()
 
-    async def collect(self, prompt_ids: list[int], params: SamplingParams, n: int
-                      ) -> tuple[int, list[ChoiceResult]]:
+    async def collect(self, prompt_ids: list[int], params: SamplingParams, n: int,
+                      grammar: CompiledGrammar | None = None) -> tuple[int, list[ChoiceResult]]:
         """Run a request to the end: (policy version, one result per choice)."""
         version, results = self.policy_version, [ChoiceResult() for _ in range(n)]
-        async for event in self.generate(prompt_ids, params, n):
+        async for event in self.generate(prompt_ids, params, n, grammar):
             if isinstance(event, Admitted):
                 version = event.policy_version
             elif isinstance(event, TokenEvent):

@@ -3,13 +3,15 @@
 A prompt may be a string, a list of token ids (token in: used exactly), or a list of either; choice
 `p * n + j` is the j-th sample of prompt p. With `return_token_ids` each choice carries its prompt's
 `prompt_token_ids` and its own `token_ids` (in a stream: prompt ids on a choice's first chunk, then each
-chunk's new token). `policy_version` is that of the oldest weights used by any of the prompts.
+chunk's new token). `policy_version` is that of the oldest weights used by any of the prompts. Structured output
+(`response_format`, vLLM's `guided_*`) is refused here with a 400: it is enforced on chat completions.
 """
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from forge_stream.engine.constraints import VLLM_FIELDS, refused_field
 from forge_stream.engine.sampling import SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, TokenEvent
 from forge_stream.engine.serving import ChoiceResult, EngineRequestError, EngineService
@@ -60,6 +62,10 @@ class CompletionServing:
     async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         if request.echo:
             raise EngineRequestError("echo is not supported.", param="echo")
+        refused = refused_field(request.model_extra, ("response_format",) + VLLM_FIELDS)
+        if refused is not None:
+            raise EngineRequestError(f"{refused} is not supported on /v1/completions by this engine (response_format "
+                                     "is enforced on /v1/chat/completions).", param=refused)
         prompt = request.prompt
         self.engine.check_choices(request.n, 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
                                   else len(prompt))

@@ -1,14 +1,17 @@
 """Checks of what an agent sends, before it reaches an engine or Kafka: identifiers (`check_id`) and OpenAI requests
-(`check_request`), each failure a 4xx whose message says what to change."""
+(`check_request`), each failure a 4xx whose message says what to change. `tool_choice`, `parallel_tool_calls` and
+`response_format` are forwarded as sent (every engine enforces them: vLLM itself, the local engine with
+grammar-constrained decoding); values no engine can enforce are a 400 naming the parameter."""
 
 from __future__ import annotations
 
 import math
 import re
 
-from forge_stream.gateway.protocol import invalid
+from forge_stream.gateway.protocol import GatewayError, invalid
 from forge_stream.gateway.recording import Kind
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.openai_protocol import structured_output_error
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]*")  # one URL path segment, never "." or ".."
 
@@ -73,8 +76,15 @@ def check_request(kind: Kind, body, limits: GatewaySettings) -> int:
         raise invalid("The request body must be a JSON object.")
     if kind == "chat":
         _check_messages(body)
+        error = structured_output_error(body.get("tools"), body.get("tool_choice"), body.get("response_format"),
+                                        body.get("parallel_tool_calls"))
+        if error is not None:  # 400, as OpenAI and vLLM answer these
+            raise GatewayError(400, error[1], "invalid_request_error", error[0])
         prompts = 1
     else:
+        if body.get("response_format") is not None:
+            raise GatewayError(400, "response_format is supported on chat completions only.",
+                               "invalid_request_error", "response_format")
         prompts = _prompt_count(body.get("prompt"))
     n = body.get("n")
     n = 1 if n is None else n

@@ -43,6 +43,24 @@ def test_bad_requests_get_openai_errors(gateway_url, run_id):
     assert httpx.get(f"{url}/models").json()["data"][0]["id"] == "scripted"
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "maybe"}, "tool_choice"),
+    ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+])
+def test_structured_output_that_cannot_be_enforced_is_400_naming_it(gateway_url, run_id, body, param):
+    url = open_session(gateway_url, run_id)["base_url"]
+    assert _error(httpx.post(f"{url}/chat/completions", json={**HI, **body}), 400)["param"] == param
+    completion = {"prompt": "hi", "response_format": {"type": "json_object"}}
+    assert _error(httpx.post(f"{url}/completions", json=completion), 400)["param"] == "response_format"
+
+
 def test_engine_down_is_503_with_retry_after(make_gateway, run_id):
     with make_gateway(engines=(f"http://127.0.0.1:{free_port()}",)) as gateway:
         session = open_session(gateway, run_id)

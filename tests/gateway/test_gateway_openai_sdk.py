@@ -3,6 +3,7 @@ of the fake `vllm serve`; the Completion events read back from the real broker h
 
 
 import httpx
+import jsonschema
 import openai
 import orjson
 import pytest
@@ -10,6 +11,7 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.tool_calls import parse_tool_calls
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
@@ -172,3 +174,47 @@ def test_a_full_context_is_answered_as_openai_and_vllm_do(kafka_bootstrap, engin
     assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=2).choices
     assert [r["turn"] for r in _records(kafka_bootstrap, session["session_id"])] == [0]
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"]}
+FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "rain": {"type": "boolean"}},
+            "required": ["unit", "rain"]}
+
+
+def test_sdk_tool_choice_and_response_format_are_enforced_through_the_gateway(kafka_bootstrap, engine_gateway,
+                                                                               tokenizer, run_id):
+    session = open_session(engine_gateway, run_id)
+    client = _client(session)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    forced = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=80, seed=4,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    shaped = client.chat.completions.create(model=model, messages=messages, max_tokens=80, seed=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}})
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert refused.value.status_code == 400 and refused.value.param == "tool_choice"
+
+    call = forced.choices[0].message.tool_calls[0]
+    assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(orjson.loads(call.function.arguments), CITY)
+    jsonschema.validate(orjson.loads(shaped.choices[0].message.content), FORECAST)
+    records = _records(kafka_bootstrap, session["session_id"])
+    assert len(records) == 2 and all(r["trainable"] for r in records)  # the refused request recorded nothing
+    called = parse_tool_calls(tokenizer.decode(records[0]["completion_token_ids"], skip_special_tokens=True))
+    assert [(c.name, c.arguments) for c in called.tool_calls] == [(call.function.name, call.function.arguments)]
+    assert tokenizer.decode(records[1]["completion_token_ids"], skip_special_tokens=True) == \
+        shaped.choices[0].message.content
+
+
+def test_tool_choice_and_response_format_are_forwarded_to_vllm_as_sent(vllm_gateway, run_id):
+    gateway, vllm = vllm_gateway
+    client = _client(open_session(gateway, run_id))
+    sent = {"tool_choice": "required", "parallel_tool_calls": False,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}}
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, **sent)
+    forwarded = httpx.get(f"{vllm}/fake/requests").json()[-1]
+    assert {k: forwarded[k] for k in sent} == sent
