@@ -51,12 +51,14 @@ class TopologyConfig:
     tick_s: float = 1.0
     offset_reset: str = "earliest"  # where a new consumer group starts: earliest or latest
     commit_interval_s: float = 0.5
+    replication_factor: int = 1  # of the changelog and internal topics faust creates (the cluster's: see cli)
 
 
 def build_app(config: TopologyConfig) -> faust.App:
     app = faust.App(
         config.app_id, broker=f"kafka://{config.bootstrap}", store="memory://", datadir=str(config.data_dir),
-        topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=1, table_standby_replicas=0,
+        topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=config.replication_factor,
+        table_standby_replicas=0,
         web_enabled=False, stream_wait_empty=False, consumer_auto_offset_reset=config.offset_reset,
         broker_session_timeout=10.0, broker_heartbeat_interval=1.0, broker_commit_interval=config.commit_interval_s,
         producer_acks=-1, producer_max_request_size=TOPICS.largest_message_bytes(),

@@ -28,6 +28,7 @@ def run(
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
 ) -> None:
     """Run the processors worker until stopped."""
+    from forge_stream.kafka.admin import cluster_replication_factor
     from forge_stream.processors import ProcessorSettings
     from topologies.processors import TopologyConfig, run_worker
 
@@ -37,6 +38,6 @@ def run(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
                                      advantage=advantage, advantage_scale=advantage_scale),
-        tick_s=tick_s, offset_reset=offset_reset,
+        tick_s=tick_s, offset_reset=offset_reset, replication_factor=cluster_replication_factor(forge.bootstrap),
     )
     run_worker(config, loglevel)

@@ -53,6 +53,16 @@ def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: fl
     return result
 
 
+def cluster_replication_factor(bootstrap: str, timeout: float = 30.0) -> int:
+    """The replication factor topics get on this cluster: a broker's `default.replication.factor`, at most the
+    number of brokers (what the catalog's topics are created with; stream processors' changelogs use it too)."""
+    admin = admin_client(bootstrap)
+    brokers = admin.list_topics(timeout=timeout).brokers
+    resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
+    configs = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout=timeout)
+    return max(1, min(len(brokers), int(configs["default.replication.factor"].value)))
+
+
 def topic_problems(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> dict[str, list[str]]:
     """What differs from the catalog, per topic: {"missing": [...], "partitions": [...], "configs": [...]}."""
     admin = admin_client(bootstrap)

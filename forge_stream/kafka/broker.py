@@ -1,8 +1,11 @@
-"""A local single-node Apache Kafka (KRaft) run from jars that Maven fetches: fetch, format, start, wait, stop.
+"""A local Apache Kafka (KRaft) run from jars that Maven fetches: fetch, format, start, wait, stop.
 
 Used by `forge-stream up` when no external cluster is configured, and by the test suite's broker fixture.
 The jars are fetched once into a cache shared by every data directory; each broker has its own data directory,
 ports, log file and pid file, so several can run side by side.
+
+`LocalCluster` runs N such nodes as one cluster (static controller quorum, replication factor N capped at 3,
+`min.insync.replicas` one less): what the tests use to kill a broker under load, as a real deployment loses one.
 """
 
 from __future__ import annotations
@@ -75,10 +78,21 @@ class BrokerConfig:
     heap: str = "512m"
     offsets_partitions: int = 4
     rebalance_delay_ms: int = 0
+    node_id: int = 1
+    voters: tuple[tuple[int, int], ...] = ()  # (node id, controller port) of a static quorum; () = this node alone
+    cluster_id: str | None = None  # the cluster's nodes share one; None: a fresh one at format
+    replication: int = 1
+    min_isr: int = 1
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def quorum(self) -> str:
+        if not self.voters:
+            return f"controller.quorum.bootstrap.servers=127.0.0.1:{self.controller_port}"
+        return "controller.quorum.voters=" + ",".join(f"{i}@127.0.0.1:{port}" for i, port in self.voters)
 
 
 class LocalBroker:
@@ -95,7 +109,8 @@ class LocalBroker:
         template = Template((INFRA_DIR / "server.properties.template").read_text())
         c = self.config
         self.properties.write_text(template.substitute(
-            port=c.port, controller_port=c.controller_port, data_dir=self.dir / "data",
+            port=c.port, controller_port=c.controller_port, data_dir=self.dir / "data", node_id=c.node_id,
+            quorum=c.quorum, replication=c.replication, min_isr=c.min_isr,
             offsets_partitions=c.offsets_partitions, rebalance_delay_ms=c.rebalance_delay_ms,
             message_max_bytes=TOPICS.largest_message_bytes(),
         ))
@@ -111,10 +126,11 @@ class LocalBroker:
         """Format the KRaft storage on first run; later runs keep the data."""
         if (self.dir / "data" / "meta.properties").exists():
             return
-        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cid = self.config.cluster_id or new_cluster_id()
         # `--cluster-id=ID`, not `-t ID`: a random id may start with "-", which the parser takes for an option
+        quorum = [] if self.config.voters else ["--standalone"]  # static voters are in the properties
         out = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={cid}",
-                                        "-c", str(self.properties), "--standalone"),
+                                        "-c", str(self.properties), *quorum),
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise BrokerError(f"formatting KRaft storage in {self.dir} failed:\n{out.stdout}\n{out.stderr}")
@@ -130,21 +146,35 @@ class LocalBroker:
             return None
         return pid
 
-    def start(self, echo=print, timeout: float = 90.0) -> str:
-        """Start the broker in the background (fetching and formatting as needed); returns bootstrap servers."""
+    def start(self, echo=print, timeout: float = 90.0, wait: bool = True) -> str:
+        """Start the broker in the background (fetching and formatting as needed); returns bootstrap servers.
+        `wait=False` returns once the process runs (a cluster's first node cannot answer before a quorum)."""
         if self.pid() is not None:
-            self.wait_ready(timeout)
+            if wait:
+                self.wait_ready(timeout)
             return self.config.bootstrap
         libs = fetch_jars(self.config.cache_dir, echo)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._render()
         self.format(libs)
         log = open(self.log_file, "ab")
-        proc = subprocess.Popen(self._java(libs, "kafka.Kafka", str(self.properties)), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pid_file.write_text(str(proc.pid))
-        self.wait_ready(timeout, proc)
+        self._proc = subprocess.Popen(self._java(libs, "kafka.Kafka", str(self.properties)), stdout=log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid_file.write_text(str(self._proc.pid))
+        if wait:
+            self.wait_ready(timeout, self._proc)
         return self.config.bootstrap
+
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crashed machine would stop it (no clean shutdown, no leader handover)."""
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self.pid() is not None and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.05)
+            self.pid_file.unlink(missing_ok=True)
 
     def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
         from confluent_kafka.admin import AdminClient
@@ -185,6 +215,55 @@ class LocalBroker:
         _reap(pid)
         self.pid_file.unlink(missing_ok=True)
         return True
+
+
+def new_cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+class LocalCluster:
+    """N local KRaft nodes (each broker and controller) forming one cluster with a static controller quorum."""
+
+    def __init__(self, data_dir: Path, cache_dir: Path, nodes: int = 3, heap: str = "384m"):
+        ports = [(free_port(), free_port()) for _ in range(nodes)]
+        voters = tuple((i + 1, controller) for i, (_, controller) in enumerate(ports))
+        replication = min(3, nodes)
+        cid = new_cluster_id()
+        self.nodes = [LocalBroker(BrokerConfig(
+            data_dir / f"node-{i + 1}", cache_dir, port, controller, heap, node_id=i + 1, voters=voters,
+            cluster_id=cid, replication=replication, min_isr=max(1, replication - 1)))
+            for i, (port, controller) in enumerate(ports)]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(node.config.bootstrap for node in self.nodes)
+
+    def start(self, echo=print, timeout: float = 120.0) -> str:
+        for node in self.nodes:
+            node.start(echo, timeout, wait=False)
+        for node in self.nodes:
+            node.wait_ready(timeout, getattr(node, "_proc", None))
+        self.wait_brokers(len(self.nodes), timeout)
+        return self.bootstrap
+
+    def wait_brokers(self, count: int, timeout: float = 120.0) -> None:
+        """Wait until `count` brokers are registered in the cluster's metadata."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if len(admin.list_topics(timeout=2).brokers) >= count:
+                    return
+            except Exception:  # a node still starting
+                pass
+            time.sleep(0.3)
+        raise BrokerError(f"the local cluster did not show {count} brokers within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 def _reap(pid: int) -> None:
