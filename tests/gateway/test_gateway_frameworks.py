@@ -1,9 +1,11 @@
-"""The real frameworks are the tests: litellm, langchain-openai and smolagents (pinned in the `dev` extra), unmodified,
-each run a small calculator agent against a real gateway in front of a scripted engine whose answers are tool calls,
+"""The real frameworks are the tests: the openai SDK (chat completions and the Responses API), the OpenAI Agents SDK
+in its default mode (Responses), the anthropic SDK (Messages), litellm, langchain-openai and smolagents (pinned in
+the `dev` extra), unmodified, each run a small calculator agent against a real gateway in front of a scripted engine whose answers are tool calls,
 whole and streamed. Every event the gateway recorded for the run is read back as an outside consumer reads it
 (confluent-kafka's AvroDeserializer, schemas from the registry API): the session's start and finish, a Completion
 per model call with the engine's tokens, and the calculator call's ToolSpan (inferred from litellm's and
-langchain's `tool` messages; from smolagents' `Observation:` messages by the `smolagents` span rule)."""
+langchain's `tool` messages, function_call_output items and tool_result blocks; from smolagents' `Observation:`
+messages by the `smolagents` span rule)."""
 
 import json
 import os
@@ -28,6 +30,100 @@ TOOLS = [{"type": "function", "function": {
 
 def calculate(expression: str) -> str:
     return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - digits and operators from the test script
+
+
+def run_openai_chat(session: dict, stream: bool) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is 6*7?"}]
+    for _ in range(3):
+        if stream:
+            with client.chat.completions.stream(model="scripted", messages=messages, tools=TOOLS) as events:
+                message = events.get_final_completion().choices[0].message
+        else:
+            message = client.chat.completions.create(model="scripted", messages=messages,
+                                                     tools=TOOLS).choices[0].message
+        if not message.tool_calls:
+            return message.content
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": calculate(**json.loads(call.function.arguments))})
+    raise AssertionError("no answer")
+
+
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def run_openai_responses(session: dict, stream: bool) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    items: list = [{"role": "user", "content": "What is 6*7?"}]
+    for _ in range(3):
+        if stream:
+            with client.responses.stream(model="scripted", input=items, tools=RESPONSES_TOOLS) as events:
+                response = events.get_final_response()
+        else:
+            response = client.responses.create(model="scripted", input=items, tools=RESPONSES_TOOLS)
+        calls = [item for item in response.output if item.type == "function_call"]
+        if not calls:
+            return response.output_text
+        for call in calls:  # the whole history each time (no previous_response_id): a stateless client
+            items += [call.model_dump(exclude_none=True),
+                      {"type": "function_call_output", "call_id": call.call_id,
+                       "output": calculate(**json.loads(call.arguments))}]
+    raise AssertionError("no answer")
+
+
+def run_anthropic(session: dict, stream: bool) -> str:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="unused", max_retries=0)
+    tools = [{"name": "calculator", "description": DESCRIPTION,
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages: list = [{"role": "user", "content": "What is 6*7?"}]
+    for _ in range(3):
+        if stream:
+            with client.messages.stream(model="scripted", max_tokens=200, tools=tools, messages=messages) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(model="scripted", max_tokens=200, tools=tools, messages=messages)
+        uses = [block for block in message.content if block.type == "tool_use"]
+        if not uses:
+            return message.content[0].text
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": calculate(**use.input)} for use in uses]}]
+    raise AssertionError("no answer")
+
+
+def run_agents_sdk(session: dict, stream: bool) -> str:
+    import asyncio
+
+    from agents import Agent, RunConfig, Runner, function_tool
+    from agents.models.openai_provider import OpenAIProvider
+    from openai import AsyncOpenAI
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluates an arithmetic expression."""
+        return calculate(expression)
+
+    agent = Agent(name="calc", instructions="Use the calculator.", tools=[calculator], model="scripted")
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=AsyncOpenAI(
+        base_url=session["base_url"], api_key="unused", max_retries=0)), tracing_disabled=True)
+
+    async def main():
+        if stream:
+            result = Runner.run_streamed(agent, "What is 6*7?", run_config=config)
+            async for _ in result.stream_events():
+                pass
+            return result.final_output
+        return (await Runner.run(agent, "What is 6*7?", run_config=config)).final_output
+
+    return asyncio.run(main())
 
 
 def run_litellm(session: dict, stream: bool) -> str:
@@ -93,6 +189,10 @@ def run_smolagents(session: dict, stream: bool) -> str:
 
 # name -> (run, tool calls the engine answers in turn, session metadata, answer, model calls)
 FRAMEWORKS = {
+    "openai-chat": (run_openai_chat, CALL, {}, REPLY, 2),
+    "openai-responses": (run_openai_responses, CALL, {}, REPLY, 2),
+    "openai-agents": (run_agents_sdk, CALL, {}, REPLY, 2),
+    "anthropic": (run_anthropic, CALL, {}, REPLY, 2),
     "litellm": (run_litellm, CALL, {}, REPLY, 2),
     "langchain-openai": (run_langchain, CALL, {}, REPLY, 2),
     "smolagents": (run_smolagents, (CALL, FINAL), {"span_rule": "smolagents"}, "42", 2),
