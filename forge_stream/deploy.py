@@ -159,6 +159,7 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         "--data-dir", str(settings.home / "processors"),
         "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
         *_flags(opts, ("advantage", "advantage_scale", "gamma")),
+        *(a for rule in opts.get("rules", ()) for a in ("--rule", str(rule))),
     )
 
 

@@ -37,12 +37,16 @@ AGENT = f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'} --se
 RUN = "bench-learning"
 
 
+SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"
+
+
 @dataclass(frozen=True)
 class LearningSettings:
     rl_minutes: float = 15.0
     loss: str = "cispo"
     lr: float = 1e-4
     updates_per_batch: int = 1  # optimizer updates per batch (sample reuse)
+    subgoal_reward: float = 0.0  # weight of the tool_result_answers process rule (0: off)
     advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
@@ -117,7 +121,8 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
             "engine": {"model": str(warm), "max_batch_size": s.concurrency, "threads": 1, "policy_run": RUN},
             "gateway": {},
-            "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale},
+            "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
+                           "rules": [f"{SUBGOAL_RULE}={s.subgoal_reward}"] if s.subgoal_reward else []},
             "trainer": {"model": str(warm), "run": RUN, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
                         "updates_per_batch": s.updates_per_batch,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,

@@ -119,6 +119,8 @@ def learning(
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
     updates_per_batch: int = typer.Option(1, help="Optimizer updates per batch (sample reuse)."),
+    subgoal_reward: float = typer.Option(0.0, help="Weight of the process rule rewarding a tool call that returned "
+                                                   "the task's answer (tool_result_answers; 0: off)."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
     advantage_scale: str = typer.Option("none", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
@@ -137,6 +139,7 @@ def learning(
     from forge_stream.bench.learning import LearningSettings, run
 
     emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, updates_per_batch=updates_per_batch,
+                              subgoal_reward=subgoal_reward,
                               advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                               concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,
                               seed=seed, bootstrap=bootstrap_servers, home=home, plot=plot),

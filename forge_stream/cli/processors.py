@@ -23,6 +23,9 @@ def run(
                                                   "group's rollouts; turn: reward-to-go normalized over all turns."),
     advantage_scale: str = typer.Option("none", help="std: divide by the group's std (GRPO); none: only subtract "
                                                     "the group's mean (Dr. GRPO)."),
+    rule: list[str] = typer.Option([], help="A process-reward rule PATH=WEIGHT (package.module.function), added to "
+                                            "the defaults (invalid_tool_call, tool_error, language_mixing); e.g. "
+                                            "forge_stream.processors.rules.tool_result_answers=0.5. Repeatable."),
     tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
@@ -30,6 +33,7 @@ def run(
     """Run the processors worker until stopped."""
     from forge_stream.kafka.admin import cluster_replication_factor
     from forge_stream.processors import ProcessorSettings
+    from forge_stream.processors.settings import DEFAULT_RULES, parse_rule
     from topologies.processors import TopologyConfig, run_worker
 
     forge = settings(bootstrap_servers)
@@ -37,7 +41,8 @@ def run(
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
-                                     advantage=advantage, advantage_scale=advantage_scale),
+                                     advantage=advantage, advantage_scale=advantage_scale,
+                                     rules=DEFAULT_RULES + tuple(parse_rule(r) for r in rule)),
         tick_s=tick_s, offset_reset=offset_reset, replication_factor=cluster_replication_factor(forge.bootstrap),
     )
     run_worker(config, loglevel)

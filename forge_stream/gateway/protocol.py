@@ -89,6 +89,7 @@ class SpanIn(_Model):
     arguments: Any = None  # JSON text or a JSON value
     status: Literal["ok", "error"] = "ok"
     error: str | None = None
+    result: str | None = None  # the tool's output (its first 8,192 characters are kept)
     start_ms: int = Field(ge=0, lt=2**63)  # Avro long, epoch milliseconds
     end_ms: int = Field(ge=0, lt=2**63)
     completion_id: str | None = None

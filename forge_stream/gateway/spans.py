@@ -16,6 +16,7 @@ import orjson
 from forge_stream.events import deterministic_id, new_event_id
 
 ERROR_PREFIXES = ("error", "traceback", "exception", "failed")
+RESULT_CHARS = 8192  # of a tool's output kept on its ToolSpan (process rules and analytics read it)
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,8 @@ def inferred_span(keys: SessionKeys, call: PendingCall, result_content, received
         "event_id": deterministic_id("span-event", sid, "inferred"), "event_time": received_ms, "span_id": sid,
         "session_id": keys.session_id, "group_id": keys.group_id, "task_id": keys.task_id,
         "tool_call_id": call.tool_call_id, "name": call.name, "arguments_json": call.arguments_json,
-        "status": status, "error": error, "start_ms": call.issued_ms, "end_ms": max(received_ms, call.issued_ms),
-        "source": "inferred", "completion_id": call.completion_id, "agent": call.agent,
+        "status": status, "error": error, "result": content_text(result_content)[:RESULT_CHARS],
+        "start_ms": call.issued_ms, "end_ms": max(received_ms, call.issued_ms), "source": "inferred", "completion_id": call.completion_id, "agent": call.agent,
     }
 
 
@@ -130,7 +131,7 @@ def explicit_span(keys: SessionKeys, posted: dict, pending: PendingCall | None, 
         "session_id": keys.session_id, "group_id": keys.group_id, "task_id": keys.task_id,
         "tool_call_id": tool_call_id, "name": posted.get("name") or (pending.name if pending else ""),
         "arguments_json": arguments_json, "status": posted.get("status", "ok"), "error": posted.get("error"),
-        "start_ms": posted["start_ms"], "end_ms": posted["end_ms"], "source": "explicit",
+        "result": posted["result"][:RESULT_CHARS] if posted.get("result") is not None else None, "start_ms": posted["start_ms"], "end_ms": posted["end_ms"], "source": "explicit",
         "completion_id": pending.completion_id if pending else posted.get("completion_id"),
         "agent": posted.get("agent") or (pending.agent if pending else ""),
     }

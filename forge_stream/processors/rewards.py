@@ -187,7 +187,8 @@ def score_group(state: dict, session_ids: list[str], settings: ProcessorSettings
     for spec in specs:
         turns = []
         for comp in spec.completions:
-            turn = Turn(comp, process_rewards(TurnContext(comp, turn_spans(state, comp["completion_id"])), settings))
+            context = TurnContext(comp, turn_spans(state, comp["completion_id"]), state.get("task"))
+            turn = Turn(comp, process_rewards(context, settings))
             key = (spec.session_id, comp["choice_index"], comp["turn"])
             if key in external_process:
                 turn.process["grader"] = external_process[key]

@@ -1,7 +1,8 @@
 """Process-reward rules: plain functions `rule(ctx: TurnContext) -> float`, named in settings by dotted path.
 
-Each returns a raw value in [-1, 0] (0 = nothing to penalize); the settings weight scales it. A rule sees one
-turn: its Completion record and the ToolSpans that turn's tool calls produced.
+A penalty returns a raw value in [-1, 0] (0 = nothing to penalize), a subgoal reward one in [0, 1]; the settings
+weight scales it. A rule sees one turn: its Completion record, the ToolSpans that turn's tool calls produced, and
+the group's Task (whose `prompt_json` is the task payload the agent and the grader got).
 
 >>> ctx = TurnContext(completion={"output_text": "hello", "tool_calls_json": None, "tools_json": None}, spans=())
 >>> tool_error(ctx), invalid_tool_call(ctx), language_mixing(ctx)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +24,16 @@ from typing import Protocol
 class TurnContext:
     completion: dict  # the Completion record of this turn
     spans: tuple[dict, ...]  # the ToolSpans of this turn's tool calls (explicit spans replace inferred ones)
+    task: dict | None = None  # the group's Task record
+
+    @property
+    def payload(self) -> dict:
+        """The task payload (Task.prompt_json), or {} when there is none or it is not a JSON object."""
+        try:
+            payload = json.loads((self.task or {}).get("prompt_json") or "{}")
+        except ValueError:
+            return {}
+        return payload if isinstance(payload, dict) else {}
 
 
 class Rule(Protocol):
@@ -85,6 +97,38 @@ def _offered_tools(tools_json: str | None) -> set[str] | None:
         return {tool["function"]["name"] for tool in json.loads(tools_json)}
     except (ValueError, TypeError, KeyError):
         return None
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def tool_result_answers(ctx: TurnContext) -> float:
+    """1 when a tool call of this turn returned the task's expected `answer` (a subgoal: what is left is to report
+    it), else 0. For tasks whose payload names an `answer` (the shipped suite's do); a number matches as a number.
+
+    It credits the turn that got the answer, not the final copy: reward-to-go (or a rollout's return) then tells a
+    rollout that called the tool right but reported it wrong from one that never got there.
+
+    >>> task = {"prompt_json": json.dumps({"question": "What is 347 * 12?", "answer": "4164"})}
+    >>> ok = lambda result: TurnContext({}, ({"status": "ok", "result": result},), task)
+    >>> tool_result_answers(ok("4164")), tool_result_answers(ok("4165")), tool_result_answers(ok("value: 4164."))
+    (1.0, 0.0, 1.0)
+    >>> tool_result_answers(TurnContext({}, ({"status": "error", "result": "4164"},), task))
+    0.0
+    >>> tool_result_answers(TurnContext({}, (), task)), tool_result_answers(ok("4164").__class__({}, (), None))
+    (0.0, 0.0)
+    """
+    answer = ctx.payload.get("answer")
+    if answer is None or not ctx.spans:
+        return 0.0
+    answer = str(answer).strip()
+    for span in ctx.spans:
+        result = span.get("result") or ""
+        if span.get("status") != "ok":
+            continue
+        if result.strip() == answer or (NUMBER.fullmatch(answer) and answer in NUMBER.findall(result)):
+            return 1.0
+    return 0.0
 
 
 SCRIPTS = ("LATIN", "CYRILLIC", "CJK", "HIRAGANA", "KATAKANA", "HANGUL", "GREEK", "ARABIC")

@@ -24,6 +24,20 @@ class RuleSpec(BaseModel):
         return self.path.rsplit(".", 1)[-1]
 
 
+def parse_rule(text: str) -> RuleSpec:
+    """'package.module.function=WEIGHT' (weight 1 when omitted); the rule must import.
+
+    >>> parse_rule("forge_stream.processors.rules.tool_result_answers=0.5")
+    RuleSpec(path='forge_stream.processors.rules.tool_result_answers', weight=0.5)
+    """
+    from forge_stream.processors.rules import load_rule
+
+    path, _, weight = text.partition("=")
+    spec = RuleSpec(path=path.strip(), weight=float(weight) if weight else 1.0)
+    load_rule(spec.path)  # ImportError / AttributeError naming the path, at start-up rather than per group
+    return spec
+
+
 DEFAULT_RULES = (
     RuleSpec(path="forge_stream.processors.rules.invalid_tool_call", weight=0.2),
     RuleSpec(path="forge_stream.processors.rules.tool_error", weight=0.1),

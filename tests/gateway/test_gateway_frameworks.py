@@ -233,6 +233,7 @@ def test_framework_tool_agent_is_recorded(kafka_bootstrap, registry_url, scripte
     [span] = recorded["forge.tool_spans"]
     assert (span["name"], orjson.loads(span["arguments_json"]), span["status"]) == (
         "calculator", {"expression": "6*7"}, "ok")
+    assert "42" in span["result"]  # the tool's output as the agent sent it back (smolagents wraps it in text)
     assert (span["tool_call_id"], span["span_id"]) == (call["id"], span_id(session["session_id"], call["id"]))
     assert span["completion_id"] == first["completion_id"] and span["source"] == "inferred"
     assert span["start_ms"] <= span["end_ms"] <= last["received_ms"]

@@ -36,3 +36,38 @@ def test_explicit_span_replaces_inferred():
                 "status": status, "start_ms": 0}
     state = {"spans": {"a": span("a", "inferred", "error"), "b": span("b", "explicit", "ok")}}
     assert [s["span_id"] for s in rewards.turn_spans(state, "c")] == ["b"]
+
+
+def test_a_tool_call_that_returned_the_answer_earns_its_turn_the_subgoal_reward():
+    """`tool_result_answers` (opt-in, e.g. `processors run --rule ...tool_result_answers=0.5`): the turn whose tool
+    returned the task's answer gets the weight as a process reward; a wrong result, a failed call, or a run without
+    the rule gets nothing, and a rollout that got there scores higher than one that did not."""
+    import json
+
+    from forge_stream.processors import ProcessorSettings, fold
+    from forge_stream.processors.settings import DEFAULT_RULES, parse_rule
+    from forge_stream.processors.synthetic import group_events
+
+    events = group_events("g", group_size=4, turns=2)
+    results = {"g-s0": "42", "g-s1": "41", "g-s2": "it is 42.", "g-s3": "42"}
+    for schema, record in events:
+        if schema == "Task":
+            record["prompt_json"] = json.dumps({"question": "What is 6 * 7?", "answer": "42"})
+        if schema == "ToolSpan":
+            record["result"] = results[record["session_id"]]
+
+    def process(settings):
+        state, outputs = None, []
+        for schema, record in events:
+            state, out = fold(state, schema, record, settings)
+            outputs += out
+        return {(e.record["session_id"], e.record["turn"]): e.record["value"] for e in outputs
+                if e.schema == "Reward" and e.record["name"] == "tool_result_answers"}
+
+    rule = parse_rule("forge_stream.processors.rules.tool_result_answers=0.5")
+    got = process(ProcessorSettings(group_timeout_ms=60_000, rules=DEFAULT_RULES + (rule,)))
+    spans = {r["session_id"]: r["status"] for s, r in events if s == "ToolSpan"}
+    want = {(sid, 0): 0.5 if spans[sid] == "ok" and sid != "g-s1" else 0.0 for sid in results}
+    assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.items() if v}
+    assert any(v == 0.5 for v in got.values()) and got.get(("g-s1", 0), 0.0) == 0.0
+    assert process(ProcessorSettings(group_timeout_ms=60_000)) == {}
