@@ -10,16 +10,17 @@ recorded by reference to, pending tool calls, and the spans recorded. A finished
 
 Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
 holding it may be behind. Before each call of a held session it reads the session's Completions partition past
-what it has seen (`changed`); a completion it did not record makes it rebuild the session first, and a
+what it has seen (`SessionEvents.foreign`); a completion it did not record makes it rebuild the session first, and a
 SessionFinished recorded elsewhere closes it. There is no lock across replicas: two replicas serving one session
 at the same time can both record turn k. The next check finds it: it is logged as a turn collision, counted in
 /health, and the session rebuilt (turn numbers go on past both).
 
-The reads are blocking (confluent-kafka); the service runs them in threads.
+The reads are blocking (confluent-kafka); `SessionRestorer` runs them in threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -34,8 +35,10 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, now_ms
 from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
-from forge_stream.gateway.sessions import Session
-from forge_stream.gateway.spans import pending_calls
+from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.sessions import Session, SessionStore, unknown
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.gateway.spans import SessionKeys, pending_calls
 from forge_stream.topics import TOPICS, Topic
 
 log = logging.getLogger(__name__)
@@ -211,40 +214,107 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
     return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
 
 
-class SessionRestorer:
-    """Blocking reads of a session's events, and its state rebuilt from them."""
+class SessionEvents:
+    """Blocking reads of one session's events, and its state rebuilt from them."""
 
-    def __init__(self, bootstrap: str, lookback_s: float, clock_skew_ms: int, finished_kept: int,
-                 timeout_s: float = 10.0):
-        self.reader = KafkaReader(bootstrap, timeout_s)
-        self.directory = SessionDirectory(self.reader, lookback_s, finished_kept)
-        self.clock_skew_ms = clock_skew_ms
+    def __init__(self, reader: KafkaReader, clock_skew_ms: int):
+        self.reader, self.clock_skew_ms = reader, clock_skew_ms
 
-    def _from(self, topic: Topic, partition: int, session: Session) -> int:
-        return self.reader.offset_at(topic, partition, session.start_ms - self.clock_skew_ms)
-
-    def _session_records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
-        """The session's records on `topic` from `start` (None: from its start time), and the end read to."""
+    def _records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
+        """The session's records on `topic` from offset `start` (None: from its start time), and the end read to."""
         group = session.keys.group_id
         p = self.reader.partition_of(topic, group)
         end = self.reader.high(topic, p)
-        begin = self._from(topic, p, session) if start is None else start
-        records = [r for _, _, _, r in self.reader.read(topic, p, begin, end, key=group)
+        if start is None:
+            start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
+        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group)
                    if r["session_id"] == session.id]
         return records, end
 
     def load(self, session: Session, prompt_refs: bool) -> list[int]:
         """Rebuild `session` (keys and start time set) from its events; returns the collided turn numbers."""
-        spans, _ = self._session_records(TOPICS.tool_spans, session, None)
-        completions, session.seen = self._session_records(TOPICS.completions, session, None)
+        spans, _ = self._records(TOPICS.tool_spans, session, None)
+        completions, session.seen = self._records(TOPICS.completions, session, None)
         return fold(session, completions, spans, prompt_refs)
 
-    def changed(self, session: Session) -> tuple[bool, dict | None]:
-        """(whether a completion this process did not record was added to the session since it last looked, its
-        SessionFinished when it was finished elsewhere)."""
-        completions, end = self._session_records(TOPICS.completions, session, session.seen)
-        foreign = any(r["request_id"] not in session.requests for r in completions)
-        if not foreign:
-            session.seen = end
-        entry = self.directory.find(session.id, [self.reader.partition_of(TOPICS.sessions, session.keys.group_id)])
-        return foreign, entry.finished if entry is not None else None
+    def foreign(self, session: Session) -> bool:
+        """Whether a completion this process did not record was added to the session since it last looked."""
+        completions, end = self._records(TOPICS.completions, session, session.seen)
+        if any(r["request_id"] not in session.requests for r in completions):
+            return True
+        session.seen = end
+        return False
+
+
+class SessionRestorer:
+    """A gateway process's sessions: those `store` holds, else rebuilt from Kafka; with shared sessions, held ones
+    brought up to date first. Counts the sessions rebuilt and the turn collisions found."""
+
+    def __init__(self, settings: GatewaySettings, store: SessionStore):
+        self.settings, self.store = settings, store
+        reader = KafkaReader(settings.bootstrap, settings.ack_timeout_ms / 1000)
+        self.directory = SessionDirectory(reader, settings.session_lookback_s, settings.finished_sessions_kept)
+        self.events = SessionEvents(reader, settings.clock_skew_ms)
+        self._loading: dict[str, asyncio.Future] = {}
+        self.restored = 0
+        self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
+
+    async def _kafka(self, read, *args):
+        """A blocking read of Kafka, in a thread; 503 when Kafka does not answer."""
+        try:
+            return await asyncio.to_thread(read, *args)
+        except (KafkaException, TimeoutError) as exc:
+            raise GatewayError(503, f"The session's events could not be read from Kafka: {exc}",
+                               "service_unavailable", retry_after=self.settings.retry_after_s) from exc
+
+    async def started_elsewhere(self, session_id: str) -> bool:
+        return await self._kafka(self.directory.find, session_id) is not None
+
+    async def get(self, session_id: str) -> Session:
+        """The session `session_id`: held here, or rebuilt from its events on Kafka (404 when it has none)."""
+        session = self.store.held(session_id)
+        if session is None:
+            loading = self._loading.get(session_id)
+            if loading is None:  # one rebuild per session, however many calls wait for it
+                loading = self._loading[session_id] = asyncio.ensure_future(self._restore(session_id))
+                loading.add_done_callback(lambda _: self._loading.pop(session_id, None))
+            return await asyncio.shield(loading)
+        if self.settings.shared_sessions and session.status == "open":
+            await self._refresh(session)
+        return session
+
+    async def _refresh(self, session: Session) -> None:
+        """Bring a held session up to date with what other replicas recorded for it."""
+        async with session.recording:
+            if await self._kafka(self.events.foreign, session):
+                self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+            partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
+            entry = await self._kafka(self.directory.find, session.id, [partition])
+            if entry is not None and entry.finished is not None and session.status == "open":
+                self.store.finished(session)
+
+    async def _restore(self, session_id: str) -> Session:
+        entry: Entry | None = await self._kafka(self.directory.find, session_id)
+        if entry is None:
+            raise unknown(session_id)
+        started = entry.started
+        session = self.store.new(SessionKeys(session_id, started["group_id"], started["task_id"]),
+                                 dict(started["metadata"]))
+        session.start_ms = entry.start_ms
+        if entry.finished is None:
+            self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+        held = self.store.held(session_id)
+        if held is not None:  # opened here while it was read
+            return held
+        self.store.add(session)
+        self.restored += 1
+        if entry.finished is not None:
+            self.store.finished(session)
+        return session
+
+    def _note(self, session: Session, collided: list[int]) -> None:
+        for turn in collided:
+            if (session.id, turn) not in self.collisions:
+                self.collisions.add((session.id, turn))
+                log.error("session %s: turn %d was recorded by two requests (two gateway replicas served it at "
+                          "once); its next turn is %d", session.id, turn, session.turns)

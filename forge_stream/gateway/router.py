@@ -88,12 +88,12 @@ async def agent_session(request: Request, session_id: str | None) -> Session:
         session_id = owner
     if settings.auth and not is_admin and owner != session_id:
         raise GatewayError(403, "This token belongs to another session.", "permission_error", "session_id")
-    return await service.session(session_id)
+    return await service.restorer.get(session_id)
 
 
 async def _admin_session(request: Request, session_id: str) -> Session:
     require_admin(request)
-    return await _service(request).session(session_id)
+    return await _service(request).restorer.get(session_id)
 
 
 async def _complete(request: Request, session_id: str | None, kind: str) -> Response:
@@ -189,9 +189,9 @@ async def models(request: Request) -> Response:
 @router.get("/health")
 async def health(request: Request) -> dict:
     service = _service(request)
-    return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions), "open_sessions": service.sessions.open,
-            "admission": service.admission.view(), "sessions_restored": service.restored,
-            "turn_collisions": len(service.collisions),
+    return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
+            "open_sessions": service.sessions.open, "admission": service.admission.view(), "sessions_restored": service.restorer.restored,
+            "turn_collisions": len(service.restorer.collisions),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 

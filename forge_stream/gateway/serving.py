@@ -15,7 +15,7 @@ Completion events will have (`_check_event_size`); each answers 4xx. An event th
 topic takes (the engine's token ids added) is 413 too, after the engine ran, and nothing is recorded.
 
 A session this process does not hold (opened by another replica, or before a restart) is rebuilt from its events
-on Kafka before it is served (`session`; forge_stream.gateway.restore), and with `GatewaySettings.shared_sessions`
+on Kafka before it is served (forge_stream.gateway.restore), and with `GatewaySettings.shared_sessions`
 a held session is first brought up to date with what other replicas recorded for it.
 
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
@@ -26,7 +26,6 @@ wait for them.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Protocol
@@ -51,15 +50,14 @@ from forge_stream.gateway.recording import (
 from forge_stream.gateway.responses import (
     EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
 )
-from forge_stream.gateway.restore import Entry, SessionRestorer
-from forge_stream.gateway.sessions import Session, SessionStore, unknown
+from forge_stream.gateway.restore import SessionRestorer
+from forge_stream.gateway.sessions import Session, SessionStore
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import (
     PendingCall, SessionKeys, answered_calls, explicit_span, inferred_span, pending_calls,
 )
 from forge_stream.topics import TOPICS, Topic
 
-log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -124,11 +122,7 @@ class GatewayService:
         self.http = http
         self.sessions = SessionStore(settings.max_open_sessions, settings.finished_sessions_kept,
                                      settings.shed_retry_after_s, settings.admin_token or "")
-        self.restorer = SessionRestorer(settings.bootstrap, settings.session_lookback_s, settings.clock_skew_ms,
-                                        settings.finished_sessions_kept, settings.ack_timeout_ms / 1000)
-        self._restoring: dict[str, asyncio.Future] = {}
-        self.restored = 0  # sessions rebuilt from Kafka
-        self.collisions: set[tuple[str, int]] = set()  # (session, turn) recorded by two requests
+        self.restorer = SessionRestorer(settings, self.sessions)
         self.pool = EnginePool(settings.engines, settings.max_queue)
         self.admission = Admission(settings.max_in_flight, settings.max_waiting, settings.max_wait_s,
                                    settings.shed_retry_after_s)
@@ -170,7 +164,7 @@ class GatewayService:
             check_id(request.session_id, "session_id", limit, path_segment=True)
         session_id = request.session_id or new_event_id()
         if session_id in self.sessions or (request.session_id is not None and self.settings.shared_sessions
-                                           and await self._kafka(self.restorer.directory.find, session_id)):
+                                           and await self.restorer.started_elsewhere(session_id)):
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
         self.sessions.check_room()
         session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
@@ -184,69 +178,6 @@ class GatewayService:
         self.sessions.add(session)
         return SessionCreated(session_id=session_id, base_url=base_url, path=path, token=session.token,
                               group_id=request.group_id, task_id=request.task_id)
-
-    async def _kafka(self, read, *args):
-        """Run a blocking read of Kafka in a thread; 503 when Kafka does not answer."""
-        try:
-            return await asyncio.to_thread(read, *args)
-        except (KafkaException, TimeoutError) as exc:
-            raise self.unavailable(f"The session's events could not be read from Kafka: {exc}") from exc
-
-    async def session(self, session_id: str) -> Session:
-        """The session `session_id`: held here, or rebuilt from its events on Kafka (404 when it has none); with
-        shared sessions, a held open one is first brought up to date with what other replicas recorded."""
-        session = self.sessions.held(session_id)
-        if session is None:
-            loading = self._restoring.get(session_id)
-            if loading is None:  # one rebuild per session, however many calls wait for it
-                loading = self._restoring[session_id] = asyncio.ensure_future(self._restore(session_id))
-                loading.add_done_callback(lambda _: self._restoring.pop(session_id, None))
-            return await asyncio.shield(loading)
-        if self.settings.shared_sessions and session.status == "open":
-            async with session.recording:
-                foreign, finished = await self._kafka(self.restorer.changed, session)
-                if foreign:
-                    self._note_collisions(session, await self._kafka(self.restorer.load, session,
-                                                                     self.settings.prompt_refs))
-                if finished is not None and session.status == "open":
-                    self._close(session)
-        return session
-
-    async def _restore(self, session_id: str) -> Session:
-        entry: Entry | None = await self._kafka(self.restorer.directory.find, session_id)
-        if entry is None:
-            raise unknown(session_id)
-        started = entry.started
-        session = self.sessions.new(SessionKeys(session_id, started["group_id"], started["task_id"]),
-                                    dict(started["metadata"]))
-        session.start_ms = entry.start_ms
-        if entry.finished is None:
-            self._note_collisions(session, await self._kafka(self.restorer.load, session, self.settings.prompt_refs))
-        held = self.sessions.held(session_id)
-        if held is not None:  # opened here while it was read
-            return held
-        self.sessions.add(session)
-        self.restored += 1
-        if entry.finished is not None:
-            self._close(session)
-        return session
-
-    def _note_collisions(self, session: Session, turns: list[int]) -> None:
-        for turn in turns:
-            if (session.id, turn) not in self.collisions:
-                self.collisions.add((session.id, turn))
-                log.error("session %s: turn %d was recorded by two requests (served at once by two gateway "
-                          "replicas); its later turns go on from %d", session.id, turn, session.turns)
-
-    def _close(self, session: Session) -> None:
-        session.status = "finished"
-        session.pending.clear()
-        session.responses.clear()
-        session.explicit.clear()
-        session.span_ids.clear()
-        session.lanes.clear()
-        session.requests.clear()
-        self.sessions.finished(session)
 
     def view(self, session: Session) -> SessionView:
         return SessionView(session_id=session.id, group_id=session.keys.group_id, task_id=session.keys.task_id,
@@ -297,7 +228,7 @@ class GatewayService:
         except GatewayError:
             session.status = "open"
             raise
-        self._close(session)
+        self.sessions.finished(session)
         return [record["event_id"]]
 
     # ----- engines ---------------------------------------------------------------------------------------

@@ -118,7 +118,12 @@ class SessionStore:
                                "rate_limit_error", retry_after=self.retry_after_s)
 
     def finished(self, session: Session) -> None:
-        """Note that `session` finished; forget the oldest finished sessions past `finished_kept`."""
+        """Mark `session` finished, keeping only what a late call's 409 needs; forget the oldest finished sessions
+        past `finished_kept`."""
+        session.status = "finished"
+        for kept in (session.pending, session.responses, session.explicit, session.span_ids, session.lanes,
+                     session.requests):
+            kept.clear()
         self._finished[session.id] = None
         while len(self._finished) > self.finished_kept:
             old, _ = self._finished.popitem(last=False)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -71,6 +72,9 @@ def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_ga
     with make_gateway(engines=(engine,), shared_sessions=True) as a, \
             make_gateway(engines=(engine,), shared_sessions=True) as b:
         session = open_session(a, run_id)
+        again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
+                                                     "session_id": session["session_id"]})
+        assert again.status_code == 409, again.text  # taken on another replica
         sent = conversation(a + session["path"], b + session["path"])
         health = [httpx.get(f"{g}/health").json() for g in (a, b)]
     check_recorded(kafka_bootstrap, session["session_id"], sent)
@@ -202,3 +206,23 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
     assert restored > 0  # some worker served a session another one opened
     for agent, session in agents:
         agent.check(kafka_bootstrap, session["session_id"])
+
+
+def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(
+        kafka_bootstrap, make_gateway, run_id):
+    """No lock spans replicas: two calls of one session served at once by two replicas (each holding it) both take
+    turn 2. The next call finds it (counted in /health), and its turn is numbered past both."""
+    with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
+            make_gateway(engines=(slow,), shared_sessions=True) as a, \
+            make_gateway(engines=(slow,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        hi = [{"role": "user", "content": "hi"}]
+        _chat(a + path, hi)
+        _chat(b + path, hi)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+        assert httpx.get(f"{a}/health").json()["turn_collisions"] == 0  # not seen yet
+        _chat(a + path, hi)
+        assert httpx.get(f"{a}/health").json()["turn_collisions"] == 1
+    assert _turns(kafka_bootstrap, sid) == [0, 1, 2, 2, 3]
