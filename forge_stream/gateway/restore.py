@@ -6,7 +6,8 @@ up in `SessionDirectory`, an index of forge.sessions read lazily (from `session_
 then only what was appended since), reads the session's Completions and ToolSpans from the one partition of each
 topic its group id is keyed to, from its start (by timestamp, less `clock_skew_ms`), and folds them (`fold`) into
 its state: turn counter, completion count, the last completion of each (agent, choice) lane that later prompts are
-recorded by reference to, pending tool calls, and the spans recorded. A finished session comes back finished.
+recorded by reference to, pending tool calls, and the spans recorded. A finished session comes back finished. A
+Responses API `previous_response_id` it does not hold is rebuilt from the Completion that answered it (`response`).
 
 Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
 holding it may be behind. Before each call of a held session it reads the session's Completions partition past
@@ -36,6 +37,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 from forge_stream.events import DecodeError, decode, now_ms
 from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
 from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import SessionKeys, pending_calls
@@ -237,6 +239,15 @@ class SessionEvents:
         completions, session.seen = self._records(TOPICS.completions, session, None)
         return fold(session, completions, spans, prompt_refs)
 
+    def chat_completion(self, session: Session, request_id: str) -> dict | None:
+        """The session's chat completion (choice 0) recorded for `request_id`, its prompt rebuilt whole."""
+        completions, _ = self._records(TOPICS.completions, session, None)
+        try:
+            rebuilt = whole_completions([r for r in completions if _is_chat(r)])
+        except MissingReference:
+            return None
+        return next((r for r in rebuilt if r["request_id"] == request_id and r["choice_index"] == 0), None)
+
     def foreign(self, session: Session) -> bool:
         """Whether a completion this process did not record was added to the session since it last looked."""
         completions, end = self._records(TOPICS.completions, session, session.seen)
@@ -292,6 +303,20 @@ class SessionRestorer:
             entry = await self._kafka(self.directory.find, session.id, [partition])
             if entry is not None and entry.finished is not None and session.status == "open":
                 self.store.finished(session)
+
+    async def response(self, session: Session, response_id: str) -> None:
+        """Put the stored response `response_id` (served by another replica, or before a restart) into `session`'s
+        chain, rebuilt from the Completion that answered it; nothing when there is none."""
+        recorded = recorded_request(response_id)
+        if recorded is None:
+            return
+        record = await self._kafka(self.events.chat_completion, session, recorded[0])
+        if record is None:
+            return
+        messages = orjson.loads(record["messages_json"])[1 if recorded[1] else 0:]
+        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
+        session.responses[response_id] = StoredResponse(None, messages + [assistant_message(record["output_text"],
+                                                                                           calls)])
 
     async def _restore(self, session_id: str) -> Session:
         entry: Entry | None = await self._kafka(self.directory.find, session_id)

@@ -190,8 +190,8 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> dict:
     service = _service(request)
     return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
-            "open_sessions": service.sessions.open, "admission": service.admission.view(), "sessions_restored": service.restorer.restored,
-            "turn_collisions": len(service.restorer.collisions),
+            "open_sessions": service.sessions.open, "admission": service.admission.view(),
+            "sessions_restored": service.restorer.restored, "turn_collisions": len(service.restorer.collisions),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 

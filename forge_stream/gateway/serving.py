@@ -48,7 +48,8 @@ from forge_stream.gateway.recording import (
     completion_record, dumps, sampling_setting,
 )
 from forge_stream.gateway.responses import (
-    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
+    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, stored_response_id,
+    to_chat,
 )
 from forge_stream.gateway.restore import SessionRestorer
 from forge_stream.gateway.sessions import Session, SessionStore
@@ -271,8 +272,10 @@ class GatewayService:
 
     # ----- completions -----------------------------------------------------------------------------------
 
-    async def complete(self, session: Session, kind: Kind, body, agent: str) -> bytes | AsyncIterator[bytes]:
-        """Forward one OpenAI request of `session`; returns the response body, or an SSE byte stream."""
+    async def complete(self, session: Session, kind: Kind, body, agent: str,
+                       request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
+        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id); returns the
+        response body, or an SSE byte stream."""
         received = now_ms()
         session.require_open()
         n = check_request(kind, body, self.settings)
@@ -280,7 +283,7 @@ class GatewayService:
             raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.", "X-Forge-Agent")
         lease = await self.admission.acquire()  # shed (429/503) here, before any state changes
         try:
-            result = await self._forward(session, kind, body, agent, received, n, lease)
+            result = await self._forward(session, kind, body, agent, received, n, lease, request_id or new_event_id())
         except BaseException:
             lease.release()
             raise
@@ -289,7 +292,7 @@ class GatewayService:
         return result
 
     async def _forward(self, session: Session, kind: Kind, body: dict, agent: str, received: int, n: int,
-                       lease: Lease) -> bytes | AsyncIterator[bytes]:
+                       lease: Lease, request_id: str) -> bytes | AsyncIterator[bytes]:
         """`complete` past admission; a stream takes over `lease` and releases it when it ends."""
         session.require_open()  # again: it may have been finished while this call waited for a slot
         answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
@@ -299,7 +302,7 @@ class GatewayService:
         keys = session.keys
         parts = tuple(orjson.dumps(m) for m in body["messages"]) if kind == "chat" else ()
         ctx = RequestContext(
-            session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
+            session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=request_id,
             agent=agent, received_ms=received, kind=kind,
             messages_json=chat_messages_json(parts) if kind == "chat" else dumps(body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
@@ -468,10 +471,14 @@ class GatewayService:
         body, or its SSE event stream."""
         session.require_open()
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if isinstance(previous, str) and previous not in session.responses:  # another replica's, or before a restart
+            await self.restorer.response(session, previous)
         chat, added = to_chat(body, conversation(session.responses, previous))
-        response_id = "resp_" + new_event_id()
-        result = await self.complete(session, "chat", chat, agent)
         store = body.get("store", True) is not False
+        request_id = new_event_id()
+        response_id = stored_response_id(request_id, bool(body.get("instructions"))) if store else (
+            "resp_" + new_event_id())
+        result = await self.complete(session, "chat", chat, agent, request_id)
         if not isinstance(result, bytes):
             return self._respond_stream(session, response_id, body, result, added, store)
         data = orjson.loads(result)

@@ -10,8 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
+import openai
 import orjson
 import pytest
+from openai import OpenAI
 
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.broker import free_port
@@ -22,6 +24,7 @@ from gateway_support import ADMIN, open_session
 from helpers import read_events, serving
 from test_gateway_prompt_refs import REPLIES, check_recorded, conversation
 
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -226,3 +229,34 @@ def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_pas
         _chat(a + path, hi)
         assert httpx.get(f"{a}/health").json()["turn_collisions"] == 1
     assert _turns(kafka_bootstrap, sid) == [0, 1, 2, 2, 3]
+
+
+def test_a_responses_chain_goes_on_across_replicas(kafka_bootstrap, make_gateway, scripted_url, run_id):
+    """`previous_response_id` names a response another replica served (streamed, with instructions, a tool call):
+    the chain rebuilt from its Completion gives the prompt one gateway would have sent."""
+    with make_gateway(engines=(scripted_url,), shared_sessions=True) as a, \
+            make_gateway(engines=(scripted_url,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        on_a, on_b = (OpenAI(base_url=g + session["path"], api_key="unused", max_retries=0) for g in (a, b))
+        events = list(on_a.responses.create(model="scripted", instructions="Be brief.", input="Weather in Paris?",
+                                            tools=[RESPONSES_TOOL], stream=True))
+        first = events[-1].response
+        [call] = first.output
+        second = on_b.responses.create(model="scripted", previous_response_id=first.id, tools=[RESPONSES_TOOL],
+                                       input=[{"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "21 degrees"}])
+        third = on_a.responses.create(model="scripted", previous_response_id=second.id, input="Thanks.")
+        assert third.previous_response_id == second.id
+        unstored = on_a.responses.create(model="scripted", input="hi", store=False)
+        with pytest.raises(openai.BadRequestError) as refused:
+            on_b.responses.create(model="scripted", previous_response_id=unstored.id, input="more")
+        assert refused.value.code == "previous_response_not_found"
+    records = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
+                     key=lambda r: r["turn"])
+    calls = orjson.loads(records[0]["tool_calls_json"])
+    chained = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"}]
+    assert [orjson.loads(r["messages_json"]) for r in records[:3]] == [
+        [{"role": "system", "content": "Be brief."}, chained[0]], chained,
+        chained + [{"role": "assistant", "content": records[1]["output_text"]}, {"role": "user", "content": "Thanks."}]]
