@@ -69,6 +69,13 @@ class KafkaReader:
             finally:
                 self._idle.put(consumer)
 
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
     def partitions(self, topic: Topic) -> int:
         if topic.name not in self._partitions:
             with self._consumer() as consumer:
@@ -277,6 +284,9 @@ class SessionRestorer:
         except (KafkaException, TimeoutError) as exc:
             raise GatewayError(503, f"The session's events could not be read from Kafka: {exc}",
                                "service_unavailable", retry_after=self.settings.retry_after_s) from exc
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.directory.reader.close)
 
     async def started_elsewhere(self, session_id: str) -> bool:
         return await self._kafka(self.directory.find, session_id) is not None
