@@ -12,9 +12,11 @@ Responses API `previous_response_id` it does not hold is rebuilt from the Comple
 Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
 holding it may be behind. Before each call of a held session it reads the session's Completions partition past
 what it has seen (`SessionEvents.foreign`); a completion it did not record makes it rebuild the session first, and a
-SessionFinished recorded elsewhere closes it. There is no lock across replicas: two replicas serving one session
-at the same time can both record turn k. The next check finds it: it is logged as a turn collision, counted in
-/health, and the session rebuilt (turn numbers go on past both).
+SessionFinished recorded elsewhere closes it. A finish rebuilds the session first, so that its SessionFinished
+counts the completions and spans every replica recorded (a span may have been posted to another). There is no
+lock across replicas: two replicas serving one session at the same time can both record turn k. The next check
+finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
+both).
 
 The reads are blocking (confluent-kafka); `SessionRestorer` runs them in threads.
 """
@@ -303,6 +305,11 @@ class SessionRestorer:
         if self.settings.shared_sessions and session.status == "open":
             await self._refresh(session)
         return session
+
+    async def reload(self, session: Session) -> None:
+        """Rebuild a held session from its events."""
+        async with session.recording:
+            self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
 
     async def _refresh(self, session: Session) -> None:
         """Bring a held session up to date with what other replicas recorded for it."""

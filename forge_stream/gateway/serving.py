@@ -218,6 +218,9 @@ class GatewayService:
 
     async def finish(self, session: Session, request: FinishIn) -> list[str]:
         session.require_open()
+        if self.settings.shared_sessions:  # count what every replica recorded (spans posted elsewhere too)
+            await self.restorer.reload(session)
+            session.require_open()
         session.status = "finishing"
         keys = session.keys
         record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,

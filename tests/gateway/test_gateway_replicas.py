@@ -260,3 +260,22 @@ def test_a_responses_chain_goes_on_across_replicas(kafka_bootstrap, make_gateway
     assert [orjson.loads(r["messages_json"]) for r in records[:3]] == [
         [{"role": "system", "content": "Be brief."}, chained[0]], chained,
         chained + [{"role": "assistant", "content": records[1]["output_text"]}, {"role": "user", "content": "Thanks."}]]
+
+
+def test_a_finish_counts_what_every_replica_recorded(kafka_bootstrap, make_gateway, scripted_url, run_id):
+    """A span posted to B for a call A's completion issued, then the finish on A: its SessionFinished counts it."""
+    with make_gateway(engines=(scripted_url,), shared_sessions=True) as a, \
+            make_gateway(engines=(scripted_url,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        sid = session["session_id"]
+        asked = _chat(a + session["path"], [{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        call = asked["choices"][0]["message"]["tool_calls"][0]
+        span = {"name": "get_weather", "tool_call_id": call["id"], "status": "ok", "start_ms": 1, "end_ms": 2}
+        posted = httpx.post(f"{b}/v1/sessions/{sid}/spans", json={"spans": [span]})
+        assert posted.status_code == 200, posted.text
+        assert httpx.post(f"{a}/v1/sessions/{sid}/finish", json={"status": "ok"}).status_code == 200
+        late = httpx.post(f"{b}/v1/sessions/{sid}/reward", json={"value": 1.0})
+        assert late.status_code == 409, late.text  # finished on A: B, which holds it, finds out
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert (end["num_completions"], end["num_tool_spans"]) == (1, 1)
