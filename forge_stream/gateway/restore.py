@@ -64,8 +64,11 @@ class KafkaReader:
             try:
                 consumer = self._idle.get_nowait()
             except queue.Empty:
+                # a fetch past the end waits at the broker up to fetch.wait.max.ms, and holds up the next request
+                # on the connection (an offsets lookup): keep it short
                 consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "forge-gateway-restore",
-                                     "enable.auto.commit": False, "enable.partition.eof": False, "log_level": 0})
+                                     "enable.auto.commit": False, "enable.partition.eof": False,
+                                     "fetch.wait.max.ms": 5, "log_level": 0})
             try:
                 yield consumer
             finally:
@@ -313,11 +316,12 @@ class SessionRestorer:
 
     async def _refresh(self, session: Session) -> None:
         """Bring a held session up to date with what other replicas recorded for it."""
+        partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
         async with session.recording:
-            if await self._kafka(self.events.foreign, session):
+            foreign, entry = await asyncio.gather(self._kafka(self.events.foreign, session),
+                                                  self._kafka(self.directory.find, session.id, [partition]))
+            if foreign:
                 self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
-            partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
-            entry = await self._kafka(self.directory.find, session.id, [partition])
             if entry is not None and entry.finished is not None and session.status == "open":
                 self.store.finished(session)
 
