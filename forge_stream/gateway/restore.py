@@ -152,7 +152,8 @@ class Entry:
 class SessionDirectory:
     """forge.sessions, read lazily into a map of session id to its SessionStarted and SessionFinished. The first
     lookup reads from `lookback_s` ago; later ones only what was appended since (of the partitions asked for).
-    Finished sessions are kept up to `finished_kept`, the oldest forgotten first."""
+    Finished sessions are kept up to `finished_kept`, and sessions started more than `lookback_s` ago not at all,
+    the oldest forgotten first."""
 
     def __init__(self, reader: KafkaReader, lookback_s: float, finished_kept: int):
         self.reader, self.lookback_s, self.finished_kept = reader, lookback_s, finished_kept
@@ -172,6 +173,13 @@ class SessionDirectory:
                 for _, timestamp, schema, record in self.reader.read(topic, p, start, high):
                     self._note(schema, record, timestamp)
                 self._positions[p] = max(start, high)
+            cutoff = now_ms() - int(self.lookback_s * 1000)
+            while self._entries:  # sessions left open past the lookback (abandoned) are forgotten, oldest first
+                oldest = next(iter(self._entries))
+                if self._entries[oldest].start_ms >= cutoff:
+                    break
+                del self._entries[oldest]
+                self._finished.pop(oldest, None)
             return self._entries.get(session_id)
 
     def _note(self, schema: str, record: dict, timestamp: int) -> None:

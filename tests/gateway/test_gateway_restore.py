@@ -1,11 +1,13 @@
-"""The pure core of rebuilding a session: its recorded Completions and ToolSpans folded into the state the gateway
-that recorded them held (turns, lanes for prompt references, pending tool calls, spans), and collisions found."""
+"""The core of rebuilding a session: its recorded Completions and ToolSpans folded into the state the gateway that
+recorded them held (turns, lanes for prompt references, pending tool calls, spans), collisions found; and the
+directory of forge.sessions (read through a list standing in for the topic) reading only what was appended."""
 
 import orjson
 
+from forge_stream.events import now_ms
 from forge_stream.events.prompts import Lane, by_reference, message_digest
 from forge_stream.gateway.recording import ChoiceRecord, RequestContext, chat_messages_json, completion_record
-from forge_stream.gateway.restore import fold
+from forge_stream.gateway.restore import SessionDirectory, fold
 from forge_stream.gateway.sessions import SessionStore
 from forge_stream.gateway.spans import SessionKeys
 
@@ -60,3 +62,56 @@ def test_fold_reports_a_turn_two_requests_recorded():
     session = SessionStore().new(KEYS, {})
     assert fold(session, [a, b, c], [], prompt_refs=True) == [0]
     assert session.turns == 2 and session.completions == 3
+
+
+class _Log:
+    """forge.sessions as a list per partition, read as KafkaReader reads it (the Kafka edge of the directory)."""
+
+    def __init__(self):
+        self.parts: list[list[tuple[int, str, dict]]] = [[], []]
+        self.reads: list[tuple[int, int, int]] = []
+
+    def append(self, p, ms, schema, session_id):
+        self.parts[p].append((ms, schema, {"session_id": session_id, "group_id": "g", "task_id": "t",
+                                           "metadata": {}}))
+
+    def partitions(self, topic):
+        return len(self.parts)
+
+    def high(self, topic, p):
+        return len(self.parts[p])
+
+    def offset_at(self, topic, p, ms):
+        return next((i for i, (t, _, _) in enumerate(self.parts[p]) if t >= ms), len(self.parts[p]))
+
+    def read(self, topic, p, start, end, key=None):
+        if start < end:
+            self.reads.append((p, start, end))
+        return [(i, t, schema, record) for i, (t, schema, record) in enumerate(self.parts[p]) if start <= i < end]
+
+
+def test_the_directory_reads_only_what_was_appended_and_forgets_old_and_finished_sessions():
+    now = now_ms()
+    log = _Log()
+    log.append(0, now - 10_000_000, "SessionStarted", "ancient")  # before the lookback: never read
+    log.append(0, now - 1000, "SessionStarted", "a")
+    log.append(1, now - 900, "SessionStarted", "b")
+    directory = SessionDirectory(log, lookback_s=3600, finished_kept=1)
+    assert directory.find("ancient") is None
+    assert directory.find("a").started["session_id"] == "a" and directory.find("b").finished is None
+    assert log.reads == [(0, 1, 2), (1, 0, 1)]  # later finds read nothing new
+    log.append(1, now - 800, "SessionFinished", "b")
+    log.append(0, now - 700, "SessionStarted", "c")
+    log.append(0, now - 600, "SessionFinished", "c")
+    assert directory.find("b", [1]).finished is not None
+    assert directory.find("b") is None and directory.find("c").finished is not None  # one finished session kept
+    assert directory.find("a").finished is None
+
+
+def test_the_directory_forgets_sessions_left_open_past_the_lookback():
+    log = _Log()
+    log.append(0, now_ms() - 1500, "SessionStarted", "stale")
+    directory = SessionDirectory(log, lookback_s=2, finished_kept=10)
+    assert directory.find("stale") is not None
+    directory.lookback_s = 1  # as if a second went by
+    assert directory.find("stale") is None
