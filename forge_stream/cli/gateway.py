@@ -1,10 +1,16 @@
-"""`forge-stream gateway serve`: run the ingress gateway in front of one or more engines."""
+"""`forge-stream gateway serve`: run the ingress gateway in front of one or more engines (`--workers N`: N
+processes on one port, each a replica that serves any session; forge_stream.gateway.restore)."""
 
+import dataclasses
+import json
+import os
 from typing import List, Optional
 
 import typer
 
 from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
+
+_SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
 
 app = typer.Typer(no_args_is_help=True, help="The OpenAI-compatible ingress gateway.")
 
@@ -34,6 +40,12 @@ def serve(
     engine_logprobs_mode: str = typer.Option(
         "processed", help="What the engines' logprobs are, recorded on each Completion: processed (of the "
                           "distribution sampled from; vLLM: --logprobs-mode processed_logprobs) or raw."),
+    workers: int = typer.Option(1, min=1, help="Processes serving the port; each is a replica (implies "
+                                               "--shared-sessions when more than one)."),
+    shared_sessions: bool = typer.Option(
+        False, help="Replicas (other processes or hosts) serve one session's calls alternately: bring a held "
+                    "session up to date from Kafka before each call. Without it, a session's calls should go to "
+                    "the replica that holds it (route by session id); any other one rebuilds it on a miss."),
 ) -> None:
     """Serve the gateway (uvicorn, with uvloop and httptools when installed)."""
     import uvicorn
@@ -49,6 +61,19 @@ def serve(
         ack_timeout_ms=ack_timeout_ms, max_in_flight=max_in_flight, max_waiting=max_waiting, max_wait_s=max_wait_s,
         shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
         finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
-        engine_logprobs_mode=engine_logprobs_mode)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning", access_log=False,
-                timeout_keep_alive=keep_alive_s)
+        engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions or workers > 1)
+    options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s)
+    if workers == 1:
+        uvicorn.run(create_app(gateway), **options)
+        return
+    os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(gateway))
+    uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+
+
+def worker_app():
+    """The app of one `serve --workers N` worker process, with the settings `serve` built."""
+    from forge_stream.gateway.app import create_app
+    from forge_stream.gateway.settings import GatewaySettings
+
+    fields = json.loads(os.environ[_SETTINGS_ENV])
+    return create_app(GatewaySettings(**{**fields, "engines": tuple(fields["engines"])}))

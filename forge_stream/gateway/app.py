@@ -75,6 +75,7 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
             try:
                 yield
             finally:
+                await app.state.gateway.restorer.close()
                 if producer is not None:
                     try:
                         await asyncio.to_thread(producer.close)

@@ -9,7 +9,9 @@ of a Responses stream (`EventStream`). Only text and function tools are translat
 with the item or tool type named.
 
 Per OpenAI, `instructions` are not carried along a chain, and a response made with `store: false` cannot be
-continued. A chain is kept as `StoredResponse`s, each holding only the messages it added.
+continued. A chain is kept as `StoredResponse`s, each holding only the messages it added; a stored response's id
+names the chat request that answered it (`stored_response_id`), so a gateway that does not hold it rebuilds it
+from that request's recorded Completion.
 """
 
 from __future__ import annotations
@@ -32,6 +34,24 @@ class StoredResponse:
 
     parent: str | None
     messages: list[dict] = field(default_factory=list)
+
+
+def stored_response_id(request_id: str, instructions: bool) -> str:
+    """The id of a response that is stored: `resp_`, then `i` if the chat prompt that answered it begins with the
+    request's `instructions` (which its chain does not carry) else `c`, then that chat request's id; so that a
+    gateway that did not serve it can rebuild its chain from the recorded Completion (forge_stream.gateway.restore).
+
+    >>> stored_response_id("abc", True), recorded_request(stored_response_id("abc", False))
+    ('resp_iabc', ('abc', False))
+    """
+    return f"resp_{'i' if instructions else 'c'}{request_id}"
+
+
+def recorded_request(response_id: str) -> tuple[str, bool] | None:
+    """(the request id, whether its prompt begins with instructions) of a `stored_response_id`; None otherwise."""
+    if not response_id.startswith(("resp_i", "resp_c")) or len(response_id) < 7:
+        return None
+    return response_id[6:], response_id[5] == "i"
 
 
 def conversation(stored: dict[str, StoredResponse], response_id: str | None) -> list[dict]:

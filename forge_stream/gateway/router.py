@@ -12,6 +12,7 @@ A token is read from `Authorization: Bearer` or, as the anthropic SDK sends it, 
 from __future__ import annotations
 
 import hmac
+import os
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -70,13 +71,13 @@ def require_admin(request: Request) -> None:
         raise _unauthorized("This route needs the admin token (Authorization: Bearer ...).")
 
 
-def agent_session(request: Request, session_id: str | None) -> Session:
+async def agent_session(request: Request, session_id: str | None) -> Session:
     """The session an agent's call belongs to (path, X-Forge-Session, or its token), checking its token."""
     service = _service(request)
     settings = service.settings
     token = _bearer(request)
     is_admin = bool(settings.auth and token and hmac.compare_digest(token, settings.admin_token))
-    owner = service.sessions.by_token(token) if token else None
+    owner = service.sessions.owner(token) if token else None
     if settings.auth and not (is_admin or owner):
         raise _unauthorized("A session token or the admin token is needed (Authorization: Bearer ...).")
     session_id = session_id or request.headers.get("x-forge-session")
@@ -84,21 +85,20 @@ def agent_session(request: Request, session_id: str | None) -> Session:
         if owner is None:
             raise GatewayError(404, "No session named: call /s/{session_id}/v1/... or set X-Forge-Session.",
                                "not_found_error", "session_id")
-        return owner
-    session = service.sessions.get(session_id)
-    if settings.auth and not is_admin and owner is not session:
+        session_id = owner
+    if settings.auth and not is_admin and owner != session_id:
         raise GatewayError(403, "This token belongs to another session.", "permission_error", "session_id")
-    return session
+    return await service.restorer.get(session_id)
 
 
-def _admin_session(request: Request, session_id: str) -> Session:
+async def _admin_session(request: Request, session_id: str) -> Session:
     require_admin(request)
-    return _service(request).sessions.get(session_id)
+    return await _service(request).restorer.get(session_id)
 
 
 async def _complete(request: Request, session_id: str | None, kind: str) -> Response:
     """An agent's OpenAI call: `kind` is chat, completion or responses."""
-    session = agent_session(request, session_id)
+    session = await agent_session(request, session_id)
     service = _service(request)
     body = await read_json(request)
     agent = request.headers.get("x-forge-agent", "")
@@ -114,7 +114,7 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
 async def _message(request: Request, session_id: str | None) -> Response:
     """An agent's Anthropic Messages call; every error answered in Anthropic's shape."""
     try:
-        session = agent_session(request, session_id)
+        session = await agent_session(request, session_id)
         body = await read_json(request)
         result = await _service(request).message(session, body, request.headers.get("x-forge-agent", ""))
     except BodyRejected as exc:
@@ -172,7 +172,7 @@ async def _models(request: Request) -> Response:
 
 @router.get("/s/{session_id}/v1/models")
 async def session_models(session_id: str, request: Request) -> Response:
-    agent_session(request, session_id)
+    await agent_session(request, session_id)
     return await _models(request)
 
 
@@ -181,7 +181,7 @@ async def models(request: Request) -> Response:
     settings = _service(request).settings
     token = _bearer(request)
     if settings.auth and not (token and (hmac.compare_digest(token, settings.admin_token)
-                                         or _service(request).sessions.by_token(token))):
+                                         or _service(request).sessions.owner(token))):
         raise _unauthorized("A session token or the admin token is needed (Authorization: Bearer ...).")
     return await _models(request)
 
@@ -189,8 +189,9 @@ async def models(request: Request) -> Response:
 @router.get("/health")
 async def health(request: Request) -> dict:
     service = _service(request)
-    return {"status": "ok", "sessions": len(service.sessions), "open_sessions": service.sessions.open,
-            "admission": service.admission.view(),
+    return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
+            "open_sessions": service.sessions.open, "admission": service.admission.view(),
+            "sessions_restored": service.restorer.restored, "turn_collisions": len(service.restorer.collisions),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 
@@ -203,13 +204,13 @@ async def open_session(request: Request) -> Response:
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> Response:
-    session = _admin_session(request, session_id)
+    session = await _admin_session(request, session_id)
     return Response(_service(request).view(session).model_dump_json(), media_type=JSON)
 
 
 @router.post("/v1/sessions/{session_id}/reward", openapi_extra=httpbody.openapi_body(RewardIn))
 async def reward(session_id: str, request: Request) -> Response:
-    session = _admin_session(request, session_id)
+    session = await _admin_session(request, session_id)
     key = request.headers.get("idempotency-key")
     if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
         raise invalid("Idempotency-Key must be 1-256 printable characters", "Idempotency-Key")
@@ -219,13 +220,13 @@ async def reward(session_id: str, request: Request) -> Response:
 
 @router.post("/v1/sessions/{session_id}/spans", openapi_extra=httpbody.openapi_body(SpansIn))
 async def spans(session_id: str, request: Request) -> Response:
-    session = agent_session(request, session_id)
+    session = await agent_session(request, session_id)
     ids = await _service(request).post_spans(session, await read_model(request, SpansIn))
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
 
 
 @router.post("/v1/sessions/{session_id}/finish", openapi_extra=httpbody.openapi_body(FinishIn))
 async def finish(session_id: str, request: Request) -> Response:
-    session = _admin_session(request, session_id)
+    session = await _admin_session(request, session_id)
     ids = await _service(request).finish(session, await read_model(request, FinishIn))
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)

@@ -17,6 +17,10 @@ topic takes (the engine's token ids added) is 413 too, after the engine ran, and
 A session whose agents send tool results as user messages names a rule that reads its tool spans from the text
 (forge_stream.gateway.textspans: metadata `span_rule`, or a built-in rule's name as `X-Forge-Agent`).
 
+A session this process does not hold (opened by another replica, or before a restart) is rebuilt from its events
+on Kafka before it is served (forge_stream.gateway.restore), and with `GatewaySettings.shared_sessions`
+a held session is first brought up to date with what other replicas recorded for it.
+
 A session's SessionFinished reports `num_tool_spans`, the distinct span ids of the ToolSpans recorded for it
 (inferred and explicit; an explicit span replacing an inferred one keeps its span id), so the processors can
 wait for them.
@@ -47,8 +51,10 @@ from forge_stream.gateway.recording import (
     completion_record, dumps, sampling_setting,
 )
 from forge_stream.gateway.responses import (
-    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, to_chat,
+    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, stored_response_id,
+    to_chat,
 )
+from forge_stream.gateway.restore import SessionRestorer
 from forge_stream.gateway.sessions import Session, SessionStore
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import (
@@ -120,7 +126,8 @@ class GatewayService:
         self.sink = sink
         self.http = http
         self.sessions = SessionStore(settings.max_open_sessions, settings.finished_sessions_kept,
-                                     settings.shed_retry_after_s)
+                                     settings.shed_retry_after_s, settings.admin_token or "")
+        self.restorer = SessionRestorer(settings, self.sessions)
         self.pool = EnginePool(settings.engines, settings.max_queue)
         self.admission = Admission(settings.max_in_flight, settings.max_waiting, settings.max_wait_s,
                                    settings.shed_retry_after_s)
@@ -161,12 +168,14 @@ class GatewayService:
         if request.session_id is not None:
             check_id(request.session_id, "session_id", limit, path_segment=True)
         session_id = request.session_id or new_event_id()
-        if session_id in self.sessions:
+        if session_id in self.sessions or (request.session_id is not None and self.settings.shared_sessions
+                                           and await self.restorer.started_elsewhere(session_id)):
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
         self.sessions.check_room()
         rule = load_rule(request.metadata[METADATA_KEY]) if METADATA_KEY in request.metadata else None
         session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
         session.span_rule = rule
+        session.start_ms = now_ms()
         path = f"/s/{session_id}/v1"
         base_url = (self.settings.public_url or public_base).rstrip("/") + path
         await self.publish([(TOPICS.sessions, request.group_id, {
@@ -215,6 +224,9 @@ class GatewayService:
 
     async def finish(self, session: Session, request: FinishIn) -> list[str]:
         session.require_open()
+        if self.settings.shared_sessions:  # count what every replica recorded (spans posted elsewhere too)
+            await self.restorer.reload(session)
+            session.require_open()
         session.status = "finishing"
         keys = session.keys
         record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,
@@ -226,13 +238,6 @@ class GatewayService:
         except GatewayError:
             session.status = "open"
             raise
-        session.status = "finished"
-        session.pending.clear()
-        session.responses.clear()
-        session.explicit.clear()
-        session.span_ids.clear()
-        session.lanes.clear()
-        session.text_turns.clear()
         self.sessions.finished(session)
         return [record["event_id"]]
 
@@ -276,8 +281,10 @@ class GatewayService:
 
     # ----- completions -----------------------------------------------------------------------------------
 
-    async def complete(self, session: Session, kind: Kind, body, agent: str) -> bytes | AsyncIterator[bytes]:
-        """Forward one OpenAI request of `session`; returns the response body, or an SSE byte stream."""
+    async def complete(self, session: Session, kind: Kind, body, agent: str,
+                       request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
+        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id); returns the
+        response body, or an SSE byte stream."""
         received = now_ms()
         session.require_open()
         n = check_request(kind, body, self.settings)
@@ -285,7 +292,7 @@ class GatewayService:
             raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.", "X-Forge-Agent")
         lease = await self.admission.acquire()  # shed (429/503) here, before any state changes
         try:
-            result = await self._forward(session, kind, body, agent, received, n, lease)
+            result = await self._forward(session, kind, body, agent, received, n, lease, request_id or new_event_id())
         except BaseException:
             lease.release()
             raise
@@ -294,7 +301,7 @@ class GatewayService:
         return result
 
     async def _forward(self, session: Session, kind: Kind, body: dict, agent: str, received: int, n: int,
-                       lease: Lease) -> bytes | AsyncIterator[bytes]:
+                       lease: Lease, request_id: str) -> bytes | AsyncIterator[bytes]:
         """`complete` past admission; a stream takes over `lease` and releases it when it ends."""
         session.require_open()  # again: it may have been finished while this call waited for a slot
         answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
@@ -311,7 +318,7 @@ class GatewayService:
         keys = session.keys
         parts = tuple(orjson.dumps(m) for m in body["messages"]) if kind == "chat" else ()
         ctx = RequestContext(
-            session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=new_event_id(),
+            session_id=keys.session_id, group_id=keys.group_id, task_id=keys.task_id, request_id=request_id,
             agent=agent, received_ms=received, kind=kind,
             messages_json=chat_messages_json(parts) if kind == "chat" else dumps(body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
@@ -385,6 +392,7 @@ class GatewayService:
             await self.publish([(TOPICS.completions, group, r, None) for r in sent]
                                + [(TOPICS.tool_spans, group, s, None) for s in spans])
             session.turns = turn + 1
+            session.requests.add(ctx.request_id)
             if by_ref:
                 digests = tuple(map(message_digest, ctx.message_parts))
                 prompt: list[int] = []
@@ -482,10 +490,14 @@ class GatewayService:
         body, or its SSE event stream."""
         session.require_open()
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if isinstance(previous, str) and previous not in session.responses:  # another replica's, or before a restart
+            await self.restorer.response(session, previous)
         chat, added = to_chat(body, conversation(session.responses, previous))
-        response_id = "resp_" + new_event_id()
-        result = await self.complete(session, "chat", chat, agent)
         store = body.get("store", True) is not False
+        request_id = new_event_id()
+        response_id = stored_response_id(request_id, bool(body.get("instructions"))) if store else (
+            "resp_" + new_event_id())
+        result = await self.complete(session, "chat", chat, agent, request_id)
         if not isinstance(result, bytes):
             return self._respond_stream(session, response_id, body, result, added, store)
         data = orjson.loads(result)

@@ -2,8 +2,8 @@
 the Responses API's stored responses, and the last chat completion of each (agent, choice) lane, which a later
 prompt may be recorded by reference to.
 
-It lives in memory: a restart loses the open sessions (their later calls get 404) and their pending tool calls
-(those spans are not inferred), but never an event already acknowledged, since those are in Kafka.
+It lives in memory, as a cache of the session's events on Kafka: a session this process does not hold (opened by
+another replica, or before a restart) is rebuilt from those events (forge_stream.gateway.restore).
 
 Memory is bounded: at most `max_open` sessions are open (creating one more is refused with 429), and finished
 sessions, stripped of their pending calls and stored responses, are kept only so that a late call gets 409; past
@@ -13,7 +13,9 @@ sessions, stripped of their pending calls and stored responses, are kept only so
 from __future__ import annotations
 
 import asyncio
-import secrets
+import base64
+import binascii
+import hmac
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -40,6 +42,9 @@ class Session:
     recording: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while a turn's events are written
     span_rule: Rule | None = None  # text-protocol tool spans (textspans), from the metadata's span_rule
     text_turns: dict[str, TextTurn] = field(default_factory=dict)  # agent -> its last completion, under a rule
+    requests: set[str] = field(default_factory=set)  # request ids of the turns this process knows were recorded
+    start_ms: int = 0  # when it started (its SessionStarted's timestamp): where its events begin on Kafka
+    seen: int | None = None  # its Completions partition is known up to this offset (None: from start_ms)
 
     @property
     def id(self) -> str:
@@ -64,10 +69,44 @@ class Session:
                 self.pending[call.tool_call_id] = call
 
 
+def unknown(session_id: str) -> GatewayError:
+    return GatewayError(404, f"Session {session_id!r} does not exist (create it with POST /v1/sessions).",
+                        "not_found_error", "session_id")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def session_token(secret: str, session_id: str) -> str:
+    """A session's agent token: its id and a MAC of it under `secret` (the admin token), so that every replica
+    knows which session a token reaches without having seen it issued.
+
+    >>> token = session_token("s3cret", "abc")
+    >>> token_session("s3cret", token), token_session("other", token), token_session("s3cret", token + "x")
+    ('abc', None, None)
+    """
+    mac = hmac.new(secret.encode(), session_id.encode(), "sha256").digest()[:18]
+    return f"fs-{_b64(session_id.encode())}.{_b64(mac)}"
+
+
+def token_session(secret: str, token: str) -> str | None:
+    """The session id `token` was issued for, or None when it is not a valid session token."""
+    if not token.startswith("fs-") or "." not in token:
+        return None
+    try:
+        encoded = token[3:token.rindex(".")]
+        session_id = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return session_id if hmac.compare_digest(session_token(secret, session_id), token) else None
+
+
 class SessionStore:
-    def __init__(self, max_open: int = 100_000, finished_kept: int = 10_000, retry_after_s: float = 1.0):
+    def __init__(self, max_open: int = 100_000, finished_kept: int = 10_000, retry_after_s: float = 1.0,
+                 secret: str = ""):
         self._sessions: dict[str, Session] = {}
-        self._by_token: dict[str, str] = {}
+        self.secret = secret  # the MAC key of session tokens
         self._finished: OrderedDict[str, None] = OrderedDict()  # oldest first
         self.max_open, self.finished_kept, self.retry_after_s = max_open, finished_kept, retry_after_s
 
@@ -82,32 +121,32 @@ class SessionStore:
                                "rate_limit_error", retry_after=self.retry_after_s)
 
     def finished(self, session: Session) -> None:
-        """Note that `session` finished; forget the oldest finished sessions past `finished_kept`."""
+        """Mark `session` finished, keeping only what a late call's 409 needs; forget the oldest finished sessions
+        past `finished_kept`."""
+        session.status = "finished"
+        for kept in (session.pending, session.responses, session.explicit, session.span_ids, session.lanes,
+                     session.requests, session.text_turns):
+            kept.clear()
         self._finished[session.id] = None
         while len(self._finished) > self.finished_kept:
             old, _ = self._finished.popitem(last=False)
-            self._by_token.pop(self._sessions.pop(old).token, None)
+            self._sessions.pop(old)
 
     def new(self, keys: SessionKeys, metadata: dict[str, str]) -> Session:
-        return Session(keys, "fs-" + secrets.token_urlsafe(24), metadata)
+        return Session(keys, session_token(self.secret, keys.session_id), metadata)
 
     def add(self, session: Session) -> None:
         self._sessions[session.id] = session
-        self._by_token[session.token] = session.id
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 
-    def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise GatewayError(404, f"Session {session_id!r} does not exist (create it with POST /v1/sessions).",
-                               "not_found_error", "session_id")
-        return session
+    def held(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
 
-    def by_token(self, token: str) -> Session | None:
-        session_id = self._by_token.get(token)
-        return self._sessions.get(session_id) if session_id else None
+    def owner(self, token: str) -> str | None:
+        """The id of the session `token` belongs to (held here or not), or None."""
+        return token_session(self.secret, token)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -53,6 +53,15 @@ class GatewaySettings:
     # the largest Completion event; a request whose messages alone (those not recorded by reference) and tools
     # exceed it is refused (413) before the engine runs. None: forge.completions' max_message_bytes
     max_event_bytes: int | None = None
+    # Sessions this process does not hold (opened by another replica, or before a restart) are rebuilt from their
+    # events on Kafka (forge_stream.gateway.restore): a session is found if it started within session_lookback_s
+    # of the gateway's first lookup, and its events are read from its start less clock_skew_ms (the replicas' clocks)
+    session_lookback_s: float = 7 * 24 * 3600.0
+    clock_skew_ms: int = 60_000
+    # replicas serve one session's calls alternately (any replica, any call): a held session is brought up to date
+    # with what other replicas recorded before each call (a read of its partition). Off: a session's calls go to
+    # the replica that holds it (sticky routing), and another one rebuilds it only when it does not hold it
+    shared_sessions: bool = False
 
     @property
     def auth(self) -> bool:

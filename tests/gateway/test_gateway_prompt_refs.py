@@ -1,6 +1,8 @@
 """Prompts recorded by reference: the gateway records only what a prompt appends to an earlier completion of its
 session, and the prompts rebuilt from the topic are byte for byte what the engine consumed and the agent sent."""
 
+import itertools
+
 import httpx
 import orjson
 import pytest
@@ -34,13 +36,15 @@ def _reply(body, index=0):
     return {"role": "assistant", "content": body["choices"][index]["message"]["content"]}
 
 
-def _conversation(base_url):
-    """Appends, an n = 3 branch continued from its second choice, a sub-agent, and a rewritten history; returns
-    (messages sent, engine's prompt ids) per request, in order."""
+def conversation(*base_urls):
+    """Appends, an n = 3 branch continued from its second choice, a sub-agent, and a rewritten history, each request
+    sent to the next of `base_urls` in turn (gateway replicas); returns (messages sent, engine's prompt ids) per
+    request, in order."""
     sent = []
+    urls = itertools.cycle(base_urls)
 
     def ask(messages, agent="", **extra):
-        body = _ask(base_url, messages, agent, **extra)
+        body = _ask(next(urls), messages, agent, **extra)
         sent.append((orjson.dumps(messages).decode(), body["prompt_token_ids"]))
         return body
 
@@ -64,8 +68,13 @@ def _conversation(base_url):
 def test_prompts_rebuilt_from_the_topic_are_exactly_what_was_sent(kafka_bootstrap, make_gateway, engine, run_id):
     with make_gateway(engines=(engine,)) as gateway:
         session = open_session(gateway, run_id)
-        sent = _conversation(session["base_url"])
-    sid = session["session_id"]
+        sent = conversation(session["base_url"])
+    check_recorded(kafka_bootstrap, session["session_id"], sent)
+
+
+def check_recorded(kafka_bootstrap, sid, sent):
+    """The session's completions on the topic are the conversation's turns, by reference where expected, and their
+    prompts rebuilt are byte for byte what was sent."""
     recorded = sorted(read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid),
                       key=lambda r: (r["turn"], r["choice_index"]))
     assert [(r["turn"], r["choice_index"]) for r in recorded] == [(0, 0), (1, 0), *((2, c) for c in range(3)),
@@ -96,7 +105,7 @@ def test_prompt_refs_can_be_turned_off_and_shrink_a_session(kafka_bootstrap, mak
     for refs in (False, True):  # each with a new engine, so that both get the same replies
         with serving(ScriptedEngine(REPLIES)) as engine, make_gateway(engines=(engine,), prompt_refs=refs) as gateway:
             session = open_session(gateway, run_id)
-            _conversation(session["base_url"])
+            conversation(session["base_url"])
         sid = session["session_id"]
         records = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid)
         assert any(r["prompt_ref"] for r in records) == refs

@@ -1,0 +1,380 @@
+"""Sessions rebuilt from their events on Kafka, so that a restarted gateway, or any of several replicas, serves a
+session it does not hold in memory.
+
+On a call for a session this process does not hold, the gateway looks its SessionStarted (and SessionFinished)
+up in `SessionDirectory`, an index of forge.sessions read lazily (from `session_lookback_s` ago at the first miss,
+then only what was appended since), reads the session's Completions and ToolSpans from the one partition of each
+topic its group id is keyed to, from its start (by timestamp, less `clock_skew_ms`), and folds them (`fold`) into
+its state: turn counter, completion count, the last completion of each (agent, choice) lane that later prompts are
+recorded by reference to, pending tool calls, and the spans recorded. A finished session comes back finished. A
+Responses API `previous_response_id` it does not hold is rebuilt from the Completion that answered it (`response`).
+
+Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
+holding it may be behind. Before each call of a held session it reads the session's Completions partition past
+what it has seen (`SessionEvents.foreign`); a completion it did not record makes it rebuild the session first, and a
+SessionFinished recorded elsewhere closes it. A finish rebuilds the session first, so that its SessionFinished
+counts the completions and spans every replica recorded (a span may have been posted to another). There is no
+lock across replicas: two replicas serving one session at the same time can both record turn k. The next check
+finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
+both).
+
+The reads are blocking (confluent-kafka); `SessionRestorer` runs them in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import zlib
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import orjson
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+
+from forge_stream.events import DecodeError, decode, now_ms
+from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
+from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
+from forge_stream.gateway.sessions import Session, SessionStore, unknown
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.gateway.spans import SessionKeys, pending_calls
+from forge_stream.gateway.textspans import METADATA_KEY, load_rule
+from forge_stream.topics import TOPICS, Topic
+
+log = logging.getLogger(__name__)
+
+
+class KafkaReader:
+    """Reads of one partition at a time, outside any consumer group (nothing is committed), through a small pool
+    of consumers so that concurrent reads do not wait on each other."""
+
+    def __init__(self, bootstrap: str, timeout_s: float = 10.0, size: int = 4):
+        self.bootstrap, self.timeout_s = bootstrap, timeout_s
+        self._idle: queue.LifoQueue[Consumer] = queue.LifoQueue()
+        self._slots = threading.Semaphore(size)
+        self._partitions: dict[str, int] = {}
+
+    @contextmanager
+    def _consumer(self) -> Iterator[Consumer]:
+        with self._slots:
+            try:
+                consumer = self._idle.get_nowait()
+            except queue.Empty:
+                # a fetch past the end waits at the broker up to fetch.wait.max.ms, and holds up the next request
+                # on the connection (an offsets lookup): keep it short
+                consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "forge-gateway-restore",
+                                     "enable.auto.commit": False, "enable.partition.eof": False,
+                                     "fetch.wait.max.ms": 5, "log_level": 0})
+            try:
+                yield consumer
+            finally:
+                self._idle.put(consumer)
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+    def partitions(self, topic: Topic) -> int:
+        if topic.name not in self._partitions:
+            with self._consumer() as consumer:
+                found = consumer.list_topics(topic.name, timeout=self.timeout_s).topics[topic.name]
+                if found.error is not None or not found.partitions:
+                    raise KafkaException(found.error)
+                self._partitions[topic.name] = len(found.partitions)
+        return self._partitions[topic.name]
+
+    def partition_of(self, topic: Topic, key: str) -> int:
+        """The partition the producers' partitioner (librdkafka's default, consistent_random: CRC32 of the key)
+        puts `key` in."""
+        return zlib.crc32(key.encode()) % self.partitions(topic)
+
+    def high(self, topic: Topic, partition: int) -> int:
+        with self._consumer() as consumer:
+            return consumer.get_watermark_offsets(TopicPartition(topic.name, partition), timeout=self.timeout_s)[1]
+
+    def offset_at(self, topic: Topic, partition: int, ms: int) -> int:
+        """The first offset with a timestamp at or after `ms` (the end when there is none)."""
+        with self._consumer() as consumer:
+            found = consumer.offsets_for_times([TopicPartition(topic.name, partition, max(ms, 0))],
+                                               timeout=self.timeout_s)[0]
+            if found.offset in (-1, OFFSET_END):
+                return consumer.get_watermark_offsets(TopicPartition(topic.name, partition),
+                                                      timeout=self.timeout_s)[1]
+            return found.offset
+
+    def read(self, topic: Topic, partition: int, start: int, end: int,
+             key: str | None = None) -> list[tuple[int, int, str, dict]]:
+        """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key`, which
+        are the only ones decoded); undecodable records are skipped (the DLQ is the processors' business)."""
+        out: list[tuple[int, int, str, dict]] = []
+        if start >= end:
+            return out
+        wanted = key.encode() if key is not None else None
+        with self._consumer() as consumer:
+            consumer.assign([TopicPartition(topic.name, partition, start)])
+            try:
+                offset = start
+                while offset < end:
+                    msg = consumer.poll(self.timeout_s)
+                    if msg is None:
+                        raise TimeoutError(f"{topic.name}[{partition}] stopped at offset {offset} before {end}")
+                    if msg.error():
+                        continue
+                    offset = msg.offset() + 1
+                    if msg.offset() >= end or (wanted is not None and msg.key() != wanted):
+                        continue
+                    try:
+                        schema, record = decode(msg.value() or b"")
+                    except DecodeError:
+                        continue
+                    out.append((msg.offset(), msg.timestamp()[1], schema, record))
+            finally:
+                consumer.unassign()
+        return out
+
+
+@dataclass
+class Entry:
+    """What forge.sessions says of one session."""
+
+    started: dict
+    start_ms: int
+    finished: dict | None = None
+
+
+class SessionDirectory:
+    """forge.sessions, read lazily into a map of session id to its SessionStarted and SessionFinished. The first
+    lookup reads from `lookback_s` ago; later ones only what was appended since (of the partitions asked for).
+    Finished sessions are kept up to `finished_kept`, and sessions started more than `lookback_s` ago not at all,
+    the oldest forgotten first."""
+
+    def __init__(self, reader: KafkaReader, lookback_s: float, finished_kept: int):
+        self.reader, self.lookback_s, self.finished_kept = reader, lookback_s, finished_kept
+        self._entries: dict[str, Entry] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._positions: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def find(self, session_id: str, partitions: Iterable[int] | None = None) -> Entry | None:
+        with self._lock:
+            topic = TOPICS.sessions
+            for p in range(self.reader.partitions(topic)) if partitions is None else partitions:
+                high = self.reader.high(topic, p)
+                start = self._positions.get(p)
+                if start is None:
+                    start = self.reader.offset_at(topic, p, now_ms() - int(self.lookback_s * 1000))
+                for _, timestamp, schema, record in self.reader.read(topic, p, start, high):
+                    self._note(schema, record, timestamp)
+                self._positions[p] = max(start, high)
+            cutoff = now_ms() - int(self.lookback_s * 1000)
+            while self._entries:  # sessions left open past the lookback (abandoned) are forgotten, oldest first
+                oldest = next(iter(self._entries))
+                if self._entries[oldest].start_ms >= cutoff:
+                    break
+                del self._entries[oldest]
+                self._finished.pop(oldest, None)
+            return self._entries.get(session_id)
+
+    def _note(self, schema: str, record: dict, timestamp: int) -> None:
+        sid = record["session_id"]
+        if schema == "SessionStarted":
+            self._entries.setdefault(sid, Entry(record, timestamp))
+        elif sid in self._entries and self._entries[sid].finished is None:
+            self._entries[sid].finished = record
+            self._finished[sid] = None
+            while len(self._finished) > self.finished_kept:
+                self._entries.pop(self._finished.popitem(last=False)[0], None)
+
+
+def _is_chat(record: dict) -> bool:
+    """Whether a recorded Completion answered a chat request (its messages_json a list of message objects)."""
+    if record["prompt_ref"] is not None:
+        return True
+    messages = orjson.loads(record["messages_json"])
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
+
+
+def fold(session: Session, completions: list[dict], spans: list[dict], prompt_refs: bool) -> list[int]:
+    """Set `session`'s counters, lanes, pending tool calls and span ids from its recorded Completions and ToolSpans
+    (each in the order recorded); returns the turn numbers that more than one request recorded (collisions)."""
+    requests: dict[int, set[str]] = defaultdict(set)
+    for record in completions:
+        requests[record["turn"]].add(record["request_id"])
+    session.turns = max(requests) + 1 if requests else 0
+    session.completions = len(completions)
+    session.requests = {r["request_id"] for r in completions}
+    session.span_ids = {s["span_id"] for s in spans}
+    session.explicit = {s["tool_call_id"] for s in spans if s["source"] == "explicit" and s["tool_call_id"]}
+    answered = {s["tool_call_id"] for s in spans if s["tool_call_id"]}
+    session.pending = {}
+    for record in completions:
+        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
+        for call in pending_calls(calls, issued_ms=record["done_ms"], completion_id=record["completion_id"],
+                                  agent=record["agent"]):
+            if call.tool_call_id not in answered:
+                session.add_pending([call])
+    session.lanes = {}
+    if prompt_refs:
+        chat = [r for r in completions if _is_chat(r)]
+        try:
+            rebuilt = whole_completions(chat)
+        except MissingReference as exc:  # its start is before what was read: later prompts are recorded whole
+            log.warning("session %s: lanes not rebuilt (%s)", session.id, exc)
+            rebuilt = []
+        for record in rebuilt:
+            if record["prompt_token_ids"]:
+                digests = tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(record["messages_json"]))
+                session.lanes[(record["agent"], record["choice_index"])] = Lane(
+                    record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], digests)
+    return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
+
+
+class SessionEvents:
+    """Blocking reads of one session's events, and its state rebuilt from them."""
+
+    def __init__(self, reader: KafkaReader, clock_skew_ms: int):
+        self.reader, self.clock_skew_ms = reader, clock_skew_ms
+
+    def _records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
+        """The session's records on `topic` from offset `start` (None: from its start time), and the end read to."""
+        group = session.keys.group_id
+        p = self.reader.partition_of(topic, group)
+        end = self.reader.high(topic, p)
+        if start is None:
+            start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
+        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group)
+                   if r["session_id"] == session.id]
+        return records, end
+
+    def load(self, session: Session, prompt_refs: bool) -> list[int]:
+        """Rebuild `session` (keys and start time set) from its events; returns the collided turn numbers."""
+        spans, _ = self._records(TOPICS.tool_spans, session, None)
+        completions, session.seen = self._records(TOPICS.completions, session, None)
+        return fold(session, completions, spans, prompt_refs)
+
+    def chat_completion(self, session: Session, request_id: str) -> dict | None:
+        """The session's chat completion (choice 0) recorded for `request_id`, its prompt rebuilt whole."""
+        completions, _ = self._records(TOPICS.completions, session, None)
+        try:
+            rebuilt = whole_completions([r for r in completions if _is_chat(r)])
+        except MissingReference:
+            return None
+        return next((r for r in rebuilt if r["request_id"] == request_id and r["choice_index"] == 0), None)
+
+    def foreign(self, session: Session) -> bool:
+        """Whether a completion this process did not record was added to the session since it last looked."""
+        completions, end = self._records(TOPICS.completions, session, session.seen)
+        if any(r["request_id"] not in session.requests for r in completions):
+            return True
+        session.seen = end
+        return False
+
+
+class SessionRestorer:
+    """A gateway process's sessions: those `store` holds, else rebuilt from Kafka; with shared sessions, held ones
+    brought up to date first. Counts the sessions rebuilt and the turn collisions found."""
+
+    def __init__(self, settings: GatewaySettings, store: SessionStore):
+        self.settings, self.store = settings, store
+        reader = KafkaReader(settings.bootstrap, settings.ack_timeout_ms / 1000)
+        self.directory = SessionDirectory(reader, settings.session_lookback_s, settings.finished_sessions_kept)
+        self.events = SessionEvents(reader, settings.clock_skew_ms)
+        self._loading: dict[str, asyncio.Future] = {}
+        self.restored = 0
+        self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
+
+    async def _kafka(self, read, *args):
+        """A blocking read of Kafka, in a thread; 503 when Kafka does not answer."""
+        try:
+            return await asyncio.to_thread(read, *args)
+        except (KafkaException, TimeoutError) as exc:
+            raise GatewayError(503, f"The session's events could not be read from Kafka: {exc}",
+                               "service_unavailable", retry_after=self.settings.retry_after_s) from exc
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.directory.reader.close)
+
+    async def started_elsewhere(self, session_id: str) -> bool:
+        return await self._kafka(self.directory.find, session_id) is not None
+
+    async def get(self, session_id: str) -> Session:
+        """The session `session_id`: held here, or rebuilt from its events on Kafka (404 when it has none)."""
+        session = self.store.held(session_id)
+        if session is None:
+            loading = self._loading.get(session_id)
+            if loading is None:  # one rebuild per session, however many calls wait for it
+                loading = self._loading[session_id] = asyncio.ensure_future(self._restore(session_id))
+                loading.add_done_callback(lambda _: self._loading.pop(session_id, None))
+            return await asyncio.shield(loading)
+        if self.settings.shared_sessions and session.status == "open":
+            await self._refresh(session)
+        return session
+
+    async def reload(self, session: Session) -> None:
+        """Rebuild a held session from its events."""
+        async with session.recording:
+            self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+
+    async def _refresh(self, session: Session) -> None:
+        """Bring a held session up to date with what other replicas recorded for it."""
+        partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
+        async with session.recording:
+            foreign, entry = await asyncio.gather(self._kafka(self.events.foreign, session),
+                                                  self._kafka(self.directory.find, session.id, [partition]))
+            if foreign:
+                self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+            if entry is not None and entry.finished is not None and session.status == "open":
+                self.store.finished(session)
+
+    async def response(self, session: Session, response_id: str) -> None:
+        """Put the stored response `response_id` (served by another replica, or before a restart) into `session`'s
+        chain, rebuilt from the Completion that answered it; nothing when there is none."""
+        recorded = recorded_request(response_id)
+        if recorded is None:
+            return
+        record = await self._kafka(self.events.chat_completion, session, recorded[0])
+        if record is None:
+            return
+        messages = orjson.loads(record["messages_json"])[1 if recorded[1] else 0:]
+        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
+        session.responses[response_id] = StoredResponse(None, messages + [assistant_message(record["output_text"],
+                                                                                           calls)])
+
+    async def _restore(self, session_id: str) -> Session:
+        entry: Entry | None = await self._kafka(self.directory.find, session_id)
+        if entry is None:
+            raise unknown(session_id)
+        started = entry.started
+        session = self.store.new(SessionKeys(session_id, started["group_id"], started["task_id"]),
+                                 dict(started["metadata"]))
+        session.start_ms = entry.start_ms
+        if METADATA_KEY in started["metadata"]:  # its text-protocol span rule, as when it was opened
+            try:
+                session.span_rule = load_rule(started["metadata"][METADATA_KEY])
+            except GatewayError as exc:
+                log.warning("session %s: its span rule cannot be loaded here (%s); no text spans", session_id, exc)
+        if entry.finished is None:
+            self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+        held = self.store.held(session_id)
+        if held is not None:  # opened here while it was read
+            return held
+        self.store.add(session)
+        self.restored += 1
+        if entry.finished is not None:
+            self.store.finished(session)
+        return session
+
+    def _note(self, session: Session, collided: list[int]) -> None:
+        for turn in collided:
+            if (session.id, turn) not in self.collisions:
+                self.collisions.add((session.id, turn))
+                log.error("session %s: turn %d was recorded by two requests (two gateway replicas served it at "
+                          "once); its next turn is %d", session.id, turn, session.turns)

@@ -1,0 +1,293 @@
+"""Sessions outlive their gateway: another replica, or the same gateway restarted, rebuilds a session it does not hold
+from its events on Kafka and serves it on (turn numbers, prompt references, pending tool calls, finished or not)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai import OpenAI
+
+from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.kafka.broker import free_port
+from forge_stream.kafka.history import read_completions
+from forge_stream.topics import TOPICS
+
+from gateway_support import ADMIN, open_session
+from helpers import read_events, serving
+from test_gateway_prompt_refs import REPLIES, check_recorded, conversation
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with serving(ScriptedEngine(REPLIES)) as url:
+        yield url
+
+
+def _chat(base_url, messages, token=None, **extra):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.post(f"{base_url}/chat/completions", headers=headers, timeout=60,
+                          json={"model": "scripted", "messages": messages, "return_token_ids": True, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _turns(bootstrap, sid):
+    return sorted(r["turn"] for r in read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid))
+
+
+class CountingAgent:
+    """One growing conversation; each turn may go to another gateway."""
+
+    def __init__(self):
+        self.messages = [{"role": "system", "content": "You count."}]
+        self.sent: list[tuple[str, list[int]]] = []  # (messages JSON, engine's prompt ids) per turn
+
+    def turn(self, base_url: str) -> None:
+        self.messages.append({"role": "user", "content": f"Say {len(self.sent)}."})
+        body = _chat(base_url, self.messages)
+        self.sent.append((orjson.dumps(self.messages).decode(), body["prompt_token_ids"]))
+        self.messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+    def check(self, bootstrap: str, sid: str) -> None:
+        """Every turn recorded once, each extending the one before by reference, the prompts rebuilt exactly."""
+        recorded = sorted(read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid),
+                          key=lambda r: r["turn"])
+        assert [r["turn"] for r in recorded] == list(range(len(self.sent)))
+        assert [r["prompt_ref"] for r in recorded] == [None] + [r["completion_id"] for r in recorded[:-1]]
+        rebuilt = sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == sid), key=lambda r: r["turn"])
+        assert [(r["messages_json"], r["prompt_token_ids"]) for r in rebuilt] == self.sent
+
+
+def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id):
+    """Every request of a conversation (appends, n = 3, a sub-agent, a rewritten history) goes to the other
+    replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly."""
+    with make_gateway(engines=(engine,), shared_sessions=True) as a, \
+            make_gateway(engines=(engine,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
+                                                     "session_id": session["session_id"]})
+        assert again.status_code == 409, again.text  # taken on another replica
+        sent = conversation(a + session["path"], b + session["path"])
+        health = [httpx.get(f"{g}/health").json() for g in (a, b)]
+    check_recorded(kafka_bootstrap, session["session_id"], sent)
+    assert health[0]["sessions_restored"] == 0 and health[1]["sessions_restored"] == 1
+    assert health[0]["turn_collisions"] == health[1]["turn_collisions"] == 0
+
+
+def test_a_session_moves_to_another_replica_with_its_token_and_pending_tool_calls(
+        kafka_bootstrap, make_gateway, scripted_url, run_id):
+    """With auth: the session token issued by A works on B (also alone, naming no session), B infers the span of a
+    tool call A's completion issued, and B's SessionFinished counts A's completion."""
+    with make_gateway(engines=(scripted_url,), admin_token=ADMIN) as a, \
+            make_gateway(engines=(scripted_url,), admin_token=ADMIN) as b:
+        session = open_session(a, run_id, token=ADMIN)
+        sid, token = session["session_id"], session["token"]
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        asked = _chat(a + session["path"], messages, token, tools=TOOLS)
+        call = asked["choices"][0]["message"]["tool_calls"][0]
+        messages += [asked["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"], "content": "21C"}]
+        _chat(f"{b}/v1", messages, token, tools=TOOLS)  # the token alone names the session
+        view = httpx.get(f"{b}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert (view["turns"], view["completions"], view["pending_tool_calls"]) == (2, 2, [])
+        other = open_session(a, run_id, token=ADMIN)
+        refused = httpx.post(f"{b}/s/{sid}/v1/chat/completions", json={"messages": messages},
+                             headers={"Authorization": f"Bearer {other['token']}"})
+        assert refused.status_code == 403, refused.text
+        finished = httpx.post(f"{b}/v1/sessions/{sid}/finish", json={"status": "ok"},
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+        assert finished.status_code == 200, finished.text
+    assert _turns(kafka_bootstrap, sid) == [0, 1]
+    first = next(r for r in read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid)
+                 if r["turn"] == 0)
+    spans = read_events(kafka_bootstrap, TOPICS.tool_spans, lambda r: r["session_id"] == sid)
+    assert [(s["tool_call_id"], s["source"], s["completion_id"]) for s in spans] == [
+        (call["id"], "inferred", first["completion_id"])]
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert (end["num_completions"], end["num_tool_spans"]) == (2, 1)
+
+
+def test_a_restarted_gateway_continues_its_open_sessions_and_keeps_finished_ones_finished(
+        kafka_bootstrap, make_gateway, engine, run_id):
+    agent = CountingAgent()
+    with make_gateway(engines=(engine,)) as first:
+        session = open_session(first, run_id)
+        sid, path = session["session_id"], session["path"]
+        agent.turn(first + path)
+        agent.turn(first + path)
+    with make_gateway(engines=(engine,)) as second:  # the same gateway, restarted (here on another port)
+        view = httpx.get(f"{second}/v1/sessions/{sid}").json()
+        assert (view["status"], view["turns"], view["completions"]) == ("open", 2, 2)
+        agent.turn(second + path)
+        agent.turn(second + path)
+        assert httpx.post(f"{second}/v1/sessions/{sid}/reward", json={"value": 1.0}).status_code == 200
+        assert httpx.post(f"{second}/v1/sessions/{sid}/finish", json={"status": "ok"}).status_code == 200
+        assert httpx.post(f"{second}/s/nobody-{run_id}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 404
+    with make_gateway(engines=(engine,)) as third:
+        assert httpx.get(f"{third}/v1/sessions/{sid}").json()["status"] == "finished"
+        late = httpx.post(f"{third}/v1/sessions/{sid}/reward", json={"value": 1.0})
+        assert late.status_code == 409, late.text
+        chat = httpx.post(f"{third}{path}/chat/completions", json={"messages": agent.messages})
+        assert chat.status_code == 409, chat.text
+    agent.check(kafka_bootstrap, sid)
+
+
+@contextmanager
+def gateway_process(engine: str, bootstrap: str, *options: str):
+    """`forge-stream gateway serve` as a real process; yields (its URL, its Popen)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine", engine,
+                             "--port", str(port), "--bootstrap-servers", bootstrap, *options],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_two_replica_processes_alternate_one_session_and_one_is_killed(kafka_bootstrap, engine, run_id):
+    """Turns alternate between two gateway processes; one is SIGKILLed mid-session; the other finishes it, and the
+    trajectory on Kafka is whole: every turn once, in order, each extending the one before."""
+    agent = CountingAgent()
+    with gateway_process(engine, kafka_bootstrap, "--shared-sessions") as (a, proc_a), \
+            gateway_process(engine, kafka_bootstrap, "--shared-sessions") as (b, _):
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        for i in range(6):
+            agent.turn((a, b)[i % 2] + path)
+        os.kill(proc_a.pid, signal.SIGKILL)
+        proc_a.wait(timeout=30)
+        for _ in range(3):
+            agent.turn(b + path)
+        assert httpx.post(f"{b}/v1/sessions/{sid}/finish", json={"status": "ok"}).status_code == 200
+        assert httpx.get(f"{b}/health").json()["turn_collisions"] == 0
+    agent.check(kafka_bootstrap, sid)
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert end["num_completions"] == 9
+
+
+def _workers(url: str, tries: int = 400) -> dict[int, dict]:
+    """The /health of each worker answering `url`, asked on new connections until two answered."""
+    seen: dict[int, dict] = {}
+    for _ in range(tries):
+        health = httpx.get(f"{url}/health").json()
+        seen[health["pid"]] = health
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker(kafka_bootstrap, engine, run_id):
+    """`--workers 2`: one port, two processes; each call on a new connection goes to either; once a worker has
+    served a session the other opened, the sessions' turns are all recorded once, in order."""
+    with gateway_process(engine, kafka_bootstrap, "--workers", "2") as (url, _):
+        assert len(_workers(url)) == 2
+        agents = [(CountingAgent(), open_session(url, run_id)) for _ in range(3)]
+        for _ in range(12):
+            for agent, session in agents:
+                agent.turn(url + session["path"])  # a new connection per call
+            workers = _workers(url)
+            if len(agents[0][0].sent) >= 3 and sum(h["sessions_restored"] for h in workers.values()) > 0:
+                break
+        assert sum(h["sessions_restored"] for h in workers.values()) > 0
+        for _, session in agents:
+            finish = httpx.post(f"{url}/v1/sessions/{session['session_id']}/finish", json={"status": "ok"})
+            assert finish.status_code == 200, finish.text
+    for agent, session in agents:
+        agent.check(kafka_bootstrap, session["session_id"])
+
+
+def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(
+        kafka_bootstrap, make_gateway, run_id):
+    """No lock spans replicas: two calls of one session served at once by two replicas (each holding it) both take
+    turn 2. The next call finds it (counted in /health), and its turn is numbered past both."""
+    with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
+            make_gateway(engines=(slow,), shared_sessions=True) as a, \
+            make_gateway(engines=(slow,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        hi = [{"role": "user", "content": "hi"}]
+        _chat(a + path, hi)
+        _chat(b + path, hi)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+        assert httpx.get(f"{a}/health").json()["turn_collisions"] == 0  # not seen yet
+        _chat(a + path, hi)
+        assert httpx.get(f"{a}/health").json()["turn_collisions"] == 1
+    assert _turns(kafka_bootstrap, sid) == [0, 1, 2, 2, 3]
+
+
+def test_a_responses_chain_goes_on_across_replicas(kafka_bootstrap, make_gateway, scripted_url, run_id):
+    """`previous_response_id` names a response another replica served (streamed, with instructions, a tool call):
+    the chain rebuilt from its Completion gives the prompt one gateway would have sent."""
+    with make_gateway(engines=(scripted_url,), shared_sessions=True) as a, \
+            make_gateway(engines=(scripted_url,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        on_a, on_b = (OpenAI(base_url=g + session["path"], api_key="unused", max_retries=0) for g in (a, b))
+        events = list(on_a.responses.create(model="scripted", instructions="Be brief.", input="Weather in Paris?",
+                                            tools=[RESPONSES_TOOL], stream=True))
+        first = events[-1].response
+        [call] = first.output
+        second = on_b.responses.create(model="scripted", previous_response_id=first.id, tools=[RESPONSES_TOOL],
+                                       input=[{"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "21 degrees"}])
+        third = on_a.responses.create(model="scripted", previous_response_id=second.id, input="Thanks.")
+        assert third.previous_response_id == second.id
+        unstored = on_a.responses.create(model="scripted", input="hi", store=False)
+        with pytest.raises(openai.BadRequestError) as refused:
+            on_b.responses.create(model="scripted", previous_response_id=unstored.id, input="more")
+        assert refused.value.code == "previous_response_not_found"
+    records = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
+                     key=lambda r: r["turn"])
+    calls = orjson.loads(records[0]["tool_calls_json"])
+    chained = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"}]
+    assert [orjson.loads(r["messages_json"]) for r in records[:3]] == [
+        [{"role": "system", "content": "Be brief."}, chained[0]], chained,
+        chained + [{"role": "assistant", "content": records[1]["output_text"]}, {"role": "user", "content": "Thanks."}]]
+
+
+def test_a_finish_counts_what_every_replica_recorded(kafka_bootstrap, make_gateway, scripted_url, run_id):
+    """A span posted to B for a call A's completion issued, then the finish on A: its SessionFinished counts it."""
+    with make_gateway(engines=(scripted_url,), shared_sessions=True) as a, \
+            make_gateway(engines=(scripted_url,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        sid = session["session_id"]
+        asked = _chat(a + session["path"], [{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        call = asked["choices"][0]["message"]["tool_calls"][0]
+        span = {"name": "get_weather", "tool_call_id": call["id"], "status": "ok", "start_ms": 1, "end_ms": 2}
+        posted = httpx.post(f"{b}/v1/sessions/{sid}/spans", json={"spans": [span]})
+        assert posted.status_code == 200, posted.text
+        assert httpx.post(f"{a}/v1/sessions/{sid}/finish", json={"status": "ok"}).status_code == 200
+        late = httpx.post(f"{b}/v1/sessions/{sid}/reward", json={"value": 1.0})
+        assert late.status_code == 409, late.text  # finished on A: B, which holds it, finds out
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert (end["num_completions"], end["num_tool_spans"]) == (1, 1)
