@@ -139,7 +139,7 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
-GATEWAY_OPTIONS = ("public_url", "workers", "max_in_flight", "max_waiting", "max_open_sessions")
+GATEWAY_OPTIONS = ("public_url", "workers", "shared_sessions", "max_in_flight", "max_waiting", "max_open_sessions")
 
 
 def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
