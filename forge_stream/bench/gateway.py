@@ -97,13 +97,25 @@ async def _phase(port: int, requests: list[bytes], total: int) -> dict:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a process and all its descendants (a gateway's --workers are its children)."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        todo += [int(child) for child in children]
+    return total
 
 
 def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
-        bootstrap: str | None = None) -> dict:
-    """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1)."""
+        bootstrap: str | None = None, workers: int = 1) -> dict:
+    """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
+    runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions)."""
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -118,7 +130,8 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
                                      f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
         gateway = stack.enter_context(server_process(
             ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
-             f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka],
+             f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
+             *(["--workers", str(workers)] if workers > 1 else [])],
             f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         callers = max(concurrency)
@@ -159,6 +172,11 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         "p50_overhead_ms": top_gateway["p50_ms"] - top_direct["p50_ms"],
         "p99_overhead_ms": top_gateway["p99_ms"] - top_direct["p99_ms"],
         "recorded_per_s": top_gateway["per_s"] if top_gateway["errors"] == 0 else 0.0,
+        "engine_per_s": top_direct["per_s"],
+        "gateway_to_engine": round(top_gateway["per_s"] / top_direct["per_s"], 3) if top_gateway["errors"] == 0
+        else 0.0,
+        "gateway_cpu_ms_per_request": top_gateway["gateway_cpu_ms_per_request"],
+        "workers": workers,
         "recorded_events_checked": after - before == answered,
         "cores": os.cpu_count(),
         "prompt_tokens": len(encode(render(messages, None))),

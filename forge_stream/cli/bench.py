@@ -42,12 +42,13 @@ def gateway(
     requests: int = typer.Option(4000, help="Requests per phase at the highest concurrency."),
     prompt_bytes: int = typer.Option(1000, help="User message size (the scripted engine: 1 token per byte)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
+    workers: int = typer.Option(1, help="Gateway processes on its port (gateway serve --workers)."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Gateway overhead vs straight to a scripted engine (p50/p99 at concurrency 1 and 64), recorded/s."""
     from forge_stream.bench.gateway import run
 
-    emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers), as_json)
+    emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers), as_json)
 
 
 @app.command("load")
