@@ -9,8 +9,8 @@ What a request asks for becomes one xgrammar structural tag (`chat_format`, a pu
   the tokenizer has them), separated by a newline, each naming a listed function with arguments valid against
   its `parameters`; exactly one call when `parallel_tool_calls` is false. A named function (`{"type": "function", "function": {"name": ...}}`): one call of that function.
 - `"auto"` with a JSON `response_format`: either such tool calls or the JSON. `"auto"` alone is not
-  constrained; `"none"` is not constrained either, it turns tool-call parsing off (the text is the content, as
-  in vLLM, and the tools stay in the prompt).
+  constrained. `"none"` with tools: any text without `<tool_call>` (xgrammar's `any_text` excluding the marker;
+  the marker as a single special token is never text), and tool-call parsing is off, so the text is the content.
 
 JSON is written with at most one whitespace character between its tokens: a model may otherwise spend its
 whole budget on whitespace (vLLM's `disable_any_whitespace` exists for the same reason).
@@ -100,6 +100,8 @@ def chat_format(tools: list[dict] | None, tool_choice, response_format: dict | N
         fmt = _calls(functions, parallel_tool_calls is False, marker_tokens)
     elif answer is not None and functions and tool_choice in (None, "auto"):
         fmt = {"type": "or", "elements": [_calls(functions, parallel_tool_calls is False, marker_tokens), answer]}
+    elif answer is None and functions and tool_choice == "none":
+        fmt = {"type": "any_text", "excludes": [TOOL_CALL_START]}
     else:
         fmt = answer
     return None if fmt is None else {"type": "structural_tag", "format": fmt}

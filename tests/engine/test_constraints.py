@@ -181,3 +181,20 @@ def test_completions_refuse_response_format(engine_url):
 def test_doctests_hold():
     for module in (constraints, serving_chat, openai_protocol):
         assert doctest.testmod(module).failed == 0
+
+
+def test_tool_choice_none_never_writes_a_tool_call(engine_url, grammars, tokenizer):
+    """With tools and tool_choice "none" the engine writes text only: its grammar refuses the `<tool_call>` marker
+    (as the single token and spelled out), which an unconstrained request could sample."""
+    body = {"tools": [WEATHER], "tool_choice": "none", "max_tokens": 24, "n": 3, "temperature": 5.0,
+            "return_token_ids": True}
+    out = _post(engine_url, body)
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    for choice in out["choices"]:
+        assert choice["message"].get("tool_calls") is None and "<tool_call>" not in choice["message"]["content"]
+        assert marker not in choice["token_ids"]
+        _replay(grammars, body, choice["token_ids"], choice["finish_reason"])
+    spec = chat_format([WEATHER], "none", None, None, grammars.marker_tokens)
+    refuses = xgr.GrammarMatcher(grammars.compile(spec))
+    assert not refuses.accept_token(marker) and not refuses.accept_string("<tool_call>")
+    assert chat_format([WEATHER], "auto", None, None, grammars.marker_tokens) is None  # auto samples anything
