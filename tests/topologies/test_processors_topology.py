@@ -174,3 +174,57 @@ def test_sigkill_and_restart_yield_one_identical_sample_per_group(kafka_bootstra
     assert sorted(s["group_id"] for s in samples.values()) == sorted(groups)
     want = {r["group_id"]: r for evs in groups.values() for _, s, r in expected(evs, settings) if s == "TrainSample"}
     assert {s["group_id"]: s for s in samples.values()} == want
+
+
+def _members(admin, app_id: str) -> list[int]:
+    """How many partitions each member of the worker group holds (empty while it is not stable)."""
+    try:
+        [future] = admin.describe_consumer_groups([app_id]).values()
+        group = future.result(timeout=10)
+    except Exception:  # the group does not exist yet, or its coordinator is loading
+        return []
+    if group.state.name != "STABLE":
+        return []
+    return [len(m.assignment.topic_partitions) for m in group.members]
+
+
+def test_two_workers_share_the_partitions_and_one_takes_over_when_the_other_is_killed(kafka_bootstrap, run_id,
+                                                                                      tmp_path):
+    """Two workers of one group split the partitions; SIGKILL one with groups half-folded in its tables, and the
+    other takes its partitions over, restoring those tables from their changelogs: every group still yields
+    exactly one sample, equal to what one worker computes (the pure fold)."""
+    settings = ProcessorSettings(group_timeout_ms=600_000)
+    t0 = now_ms()
+    groups = {f"{run_id}-w{i}": group_events(f"{run_id}-w{i}", seq=i, group_size=3, turns=3, start_ms=t0)
+              for i in range(8)}
+    early = [e for i, evs in enumerate(groups.values()) for e in (evs if i < 2 else evs[: len(evs) // 2])]
+    rest = [e for i, evs in enumerate(groups.values()) if i >= 2 for e in evs[len(evs) // 2:]]
+    produce(kafka_bootstrap, early)
+    from confluent_kafka.admin import AdminClient
+
+    app_id, admin = f"proc-two-{run_id}", AdminClient({"bootstrap.servers": kafka_bootstrap})
+    reader = Reader(kafka_bootstrap, run_id)
+    first = start_worker(kafka_bootstrap, app_id, tmp_path / "first", 600)
+    second = start_worker(kafka_bootstrap, app_id, tmp_path / "second", 600)
+    try:
+        deadline = time.monotonic() + 120
+        while not (len(held := _members(admin, app_id)) == 2 and all(held)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(held) == 2 and all(held), f"the two workers did not share the partitions: {held}"
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) >= 2)  # the early-complete groups
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        produce(kafka_bootstrap, rest)
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) == len(groups), timeout=180)
+        assert second.poll() is None
+        taken_over = _members(admin, app_id)
+    finally:
+        for worker in (first, second):
+            worker.kill()
+            worker.wait()
+
+    assert taken_over == [sum(held)], "the surviving worker holds every partition"
+    samples = reader.unique("TrainSample")  # asserts that every copy of an id has the same content
+    assert sorted(s["group_id"] for s in samples.values()) == sorted(groups)
+    want = {r["group_id"]: r for evs in groups.values() for _, s, r in expected(evs, settings) if s == "TrainSample"}
+    assert {s["group_id"]: s for s in samples.values()} == want
