@@ -61,15 +61,27 @@ WAIT_ERRORS = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._
                KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT}
 
 
-def commit_patiently(consumer: Consumer, offsets: list[TopicPartition], name: str) -> None:
-    """A synchronous commit that, while Kafka is away, retries every second until it goes through."""
+# the group moved on without this member (its coordinator failed over, or it was too slow): it rejoins on its next
+# poll, and this commit's offsets go with the next one
+REJOIN_ERRORS = {KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION, KafkaError.REBALANCE_IN_PROGRESS}
+
+
+def commit_patiently(consumer: Consumer, offsets: list[TopicPartition], name: str) -> bool:
+    """A synchronous commit that, while Kafka is away, retries every second until it goes through. False when the
+    group refused it because this member must rejoin: nothing is lost, since offsets only move forward and the
+    next commit carries these; what was read past the last commit is read again after the rejoin (consumers here
+    skip what they already handled: the windowed consumer's retired groups, the Parquet sink's file names)."""
     told = False
     while True:
         try:
             consumer.commit(offsets=offsets, asynchronous=False)
-            return
+            return True
         except KafkaException as exc:
             error = exc.args[0]
+            if error.code() in REJOIN_ERRORS:
+                log.warning("consumer %s: commit refused (%s): the group is rebalancing; it goes with the next "
+                            "commit", name, error)
+                return False
             if not (error.retriable() or error.code() in WAIT_ERRORS):
                 raise
             if not told:

@@ -106,6 +106,16 @@ class Training(threading.Thread):
         consumer.close()
 
 
+def _coordinator(bootstrap: str, group: str) -> int:
+    """The node id of the broker coordinating consumer group `group` (1 when it is not known yet)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    try:
+        [future] = admin.describe_consumer_groups([group]).values()
+        return future.result(timeout=10).coordinator.id
+    except Exception:  # the group has not joined yet
+        return 1
+
+
 def test_rollouts_and_training_survive_a_broker_sigkill(cluster, run_id):
     groups = 24
     settings = SchedulerSettings(bootstrap=cluster.bootstrap, run=run_id, batch_size=4)
@@ -120,8 +130,8 @@ def test_rollouts_and_training_survive_a_broker_sigkill(cluster, run_id):
         for seq in range(groups):  # the groups' Tasks and samples arrive over the kill and the restart
             producer.produce(TOPICS.tasks, group_id(run_id, seq), task(run_id, seq))
             producer.produce(TOPICS.samples, group_id(run_id, seq), sample(run_id, seq))
-            if seq == 6:
-                victim = cluster.nodes[0]
+            if seq == 6:  # the training consumer group's coordinator: its members must rejoin elsewhere
+                victim = cluster.nodes[_coordinator(cluster.bootstrap, settings.name) - 1]
                 victim.kill()
                 assert victim.pid() is None
             if seq == 14:
