@@ -23,6 +23,7 @@ from forge_stream.gateway.messages import SCHEMA as MESSAGES, anthropic_error
 from forge_stream.gateway.protocol import (
     CHAT, COMPLETION, FinishIn, GatewayError, Recorded, RewardIn, SessionCreate, SpansIn, invalid,
 )
+from forge_stream.gateway import apis
 from forge_stream.gateway.serving import GatewayService
 from forge_stream.httpbody import BodyRejected
 from forge_stream.gateway.sessions import Session
@@ -103,7 +104,7 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
     body = await read_json(request)
     agent = request.headers.get("x-forge-agent", "")
     if kind == "responses":
-        result = await service.respond(session, body, agent)
+        result = await apis.respond(service, session, body, agent)
     else:
         result = await service.complete(session, kind, body, agent)
     if isinstance(result, bytes):
@@ -116,7 +117,7 @@ async def _message(request: Request, session_id: str | None) -> Response:
     try:
         session = await agent_session(request, session_id)
         body = await read_json(request)
-        result = await _service(request).message(session, body, request.headers.get("x-forge-agent", ""))
+        result = await apis.message(_service(request), session, body, request.headers.get("x-forge-agent", ""))
     except BodyRejected as exc:
         raise anthropic_error(exc.status, exc.message) from exc
     except GatewayError as exc:

@@ -39,7 +39,6 @@ from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
 from forge_stream.events.prompts import Lane, by_reference, message_digest, shared_prefix
-from forge_stream.gateway import messages
 from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.checks import check_id, check_request
 from forge_stream.gateway.engines import Engine, EnginePool
@@ -49,10 +48,6 @@ from forge_stream.gateway.protocol import (
 from forge_stream.gateway.recording import (
     ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, completion_choices,
     completion_record, dumps, sampling_setting,
-)
-from forge_stream.gateway.responses import (
-    EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, stored_response_id,
-    to_chat,
 )
 from forge_stream.gateway.restore import SessionRestorer
 from forge_stream.gateway.sessions import Session, SessionStore
@@ -113,7 +108,7 @@ def for_client(data: dict, hide_logprobs: bool, hide_ids: bool) -> dict:
     return data
 
 
-def _sse_data(event: bytes) -> bytes | None:
+def sse_data(event: bytes) -> bytes | None:
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
             return line[5:].strip()
@@ -432,7 +427,7 @@ class GatewayService:
                 buffer += raw
                 while not done and (cut := buffer.find(b"\n\n")) >= 0:
                     event, buffer = buffer[:cut + 2], buffer[cut + 2:]
-                    data = _sse_data(event)
+                    data = sse_data(event)
                     if data == b"[DONE]":
                         done = True
                         break
@@ -469,73 +464,3 @@ class GatewayService:
             yield b"data: " + exc.body() + b"\n\n"
             return
         yield b"data: [DONE]\n\n"
-
-    # ----- Anthropic Messages API ---------------------------------------------------------------------------
-
-    async def message(self, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
-        """Serve an Anthropic Messages request through the chat path (so it is recorded as chat); returns the
-        Message body, or its SSE event stream."""
-        session.require_open()
-        chat = messages.to_chat(body)
-        message_id = "msg_" + new_event_id()
-        result = await self.complete(session, "chat", chat, agent)
-        if isinstance(result, bytes):
-            return orjson.dumps(messages.message_object(message_id, body, orjson.loads(result)))
-        return messages.events(message_id, body, result)
-
-    # ----- Responses API -----------------------------------------------------------------------------------
-
-    async def respond(self, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
-        """Serve a Responses API request through the chat path (so it is recorded as chat); returns the Response
-        body, or its SSE event stream."""
-        session.require_open()
-        previous = body.get("previous_response_id") if isinstance(body, dict) else None
-        if isinstance(previous, str) and previous not in session.responses:  # another replica's, or before a restart
-            await self.restorer.response(session, previous)
-        chat, added = to_chat(body, conversation(session.responses, previous))
-        store = body.get("store", True) is not False
-        request_id = new_event_id()
-        response_id = stored_response_id(request_id, bool(body.get("instructions"))) if store else (
-            "resp_" + new_event_id())
-        result = await self.complete(session, "chat", chat, agent, request_id)
-        if not isinstance(result, bytes):
-            return self._respond_stream(session, response_id, body, result, added, store)
-        data = orjson.loads(result)
-        choice = (data.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
-        if store:
-            session.responses[response_id] = StoredResponse(previous, added + [assistant_message(
-                message.get("content") or "", message.get("tool_calls"))])
-        return orjson.dumps(response_object(
-            response_id, body, data.get("model") or body.get("model") or "", status="completed",
-            output=output_items(response_id, message, choice.get("logprobs")), chat_usage=data.get("usage"),
-            finish_reason=choice.get("finish_reason")))
-
-    async def _respond_stream(self, session: Session, response_id: str, body: dict, chat: AsyncIterator[bytes],
-                              added: list[dict], store: bool) -> AsyncIterator[bytes]:
-        """The chat stream's chunks as Responses events; its [DONE] (sent once recorded) completes the response,
-        its error event fails it."""
-        events = EventStream(response_id, body)
-        for event in events.start():
-            yield event
-        try:
-            async for raw in chat:
-                data = _sse_data(raw)
-                if data == b"[DONE]":
-                    if store:
-                        session.responses[response_id] = StoredResponse(body.get("previous_response_id"),
-                                                                        added + [events.assistant()])
-                    for event in events.finish():
-                        yield event
-                    return
-                chunk = orjson.loads(data) if data else {}
-                if "error" in chunk:
-                    for event in events.fail(chunk["error"] or {}):
-                        yield event
-                    return
-                for event in events.feed(chunk):
-                    yield event
-            for event in events.fail({"message": "The chat stream ended early; nothing was recorded."}):
-                yield event
-        finally:
-            await chat.aclose()
