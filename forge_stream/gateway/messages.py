@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from forge_stream.gateway.protocol import GatewayError
+from forge_stream.gateway.protocol import GatewayError, first_choice_deltas
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
@@ -310,10 +310,7 @@ class EventStream:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         out: list[bytes] = []
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_choice_deltas(chunk):
             if delta.get("content"):
                 if self.open != "text":
                     out += self._open({"type": "text", "text": ""})

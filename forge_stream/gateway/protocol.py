@@ -145,3 +145,11 @@ COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
                          {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
                          {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
     **_SAMPLING}}
+
+
+def first_choice_deltas(chunk: dict):
+    """(choice, delta) of a chat stream chunk's first choice (index 0), if the chunk has it: what the Messages and
+    Responses streams translate (a Message or a Response has one choice)."""
+    for choice in chunk.get("choices") or ():
+        if choice.get("index", 0) == 0:
+            yield choice, choice.get("delta") or {}

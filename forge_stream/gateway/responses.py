@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from forge_stream.gateway.protocol import GatewayError, invalid
+from forge_stream.gateway.protocol import GatewayError, first_choice_deltas, invalid
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "refusal")
@@ -351,10 +351,7 @@ class EventStream:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         out: list[bytes] = []
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
+        for choice, delta in first_choice_deltas(chunk):
             if delta.get("content"):
                 if self.open is None or self.open["type"] != "message":
                     out += self._open_text()
