@@ -6,13 +6,16 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
 
 - settings: one ProcessorSettings (reward rules, gamma, advantage mode "rollout" or "turn", timeouts), built by
   `forge-stream processors run` (--gamma, --advantage, --group-timeout-s) and passed in TopologyConfig.
-- agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state in the
-  `groups` table (memory store, rebuilt from its compacted changelog topic on restart) and publishes what
-  the fold returns. Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
+- agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state and
+  publishes what the fold returns. The state lives in the `groups` table (memory store, rebuilt from its
+  compacted changelog topic on restart) as a small header per group and one entry per record the group holds
+  (forge_stream.processors.store), so an event writes its own record and the header, never the whole group. Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
 - timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
   the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
   `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
   keeps every table write on the group's partition.
+- A TrainSample whose encoding exceeds `claim_over_bytes` is stored in the claim-check store and published as
+  a SampleClaim (forge_stream.events.claims): forge.samples records stay small whatever the group's size.
 - Outputs go to the group's input partition (the producer's partitioner chose it), so the output topics stay
   co-partitioned with the inputs whatever client produced them.
 
@@ -32,9 +35,11 @@ from pathlib import Path
 import faust
 
 from forge_stream.events import DecodeError, decode, encode, now_ms
+from forge_stream.events.claims import CLAIM_OVER_BYTES, ClaimStore, claim_record
 from forge_stream.kafka.consumer import dead_letter
 from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expire, fold
 from forge_stream.processors.groups import due
+from forge_stream.processors.store import GroupStore, is_entry
 from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
 
 INPUTS = (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
@@ -52,6 +57,8 @@ class TopologyConfig:
     offset_reset: str = "earliest"  # where a new consumer group starts: earliest or latest
     commit_interval_s: float = 0.5
     replication_factor: int = 1  # of the changelog and internal topics faust creates (the cluster's: see cli)
+    claim_store: str | None = None  # fsspec URL of the claim-check store (None: data_dir/claims)
+    claim_over_bytes: int = CLAIM_OVER_BYTES  # a TrainSample encoded larger than this goes as a SampleClaim
 
 
 def build_app(config: TopologyConfig) -> faust.App:
@@ -68,23 +75,28 @@ def build_app(config: TopologyConfig) -> faust.App:
     timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, **RAW)
     outputs = {t.name: app.topic(t.name, **RAW) for t in OUTPUTS}
     groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str)
+    store = GroupStore(groups, groups)  # headers and entries share one table: one changelog to restore
     lock = asyncio.Lock()
 
+    claims = ClaimStore(config.claim_store or str(Path(config.data_dir).resolve() / "claims"))
+
+    async def wire(emit: Emit) -> bytes:
+        """The record's bytes; a TrainSample over `claim_over_bytes` is stored and sent as its SampleClaim."""
+        value = encode(emit.schema, emit.record)
+        if emit.schema == "TrainSample" and len(value) > config.claim_over_bytes:
+            claim = await asyncio.to_thread(claims.put, value)
+            value = encode("SampleClaim", claim_record(emit.record, claim))
+        return value
+
     async def publish(emits: list[Emit], partition: int) -> None:
-        sent = [await outputs[e.topic.name].send(key=e.key.encode(), value=encode(e.schema, e.record),
-                                                 partition=partition, force=True) for e in emits]
+        sent = [await outputs[e.topic.name].send(key=e.key.encode(), value=await wire(e), partition=partition,
+                                                 force=True) for e in emits]
         await asyncio.gather(*sent)  # acknowledged by Kafka before the state that follows them is written
 
     async def reject(message, error: str, rejected_by: str) -> None:
         record = dead_letter(message.topic, message.partition, message.offset, message.key, message.value,
                              error, rejected_by)
         await publish([Emit(TOPICS.dlq, message.topic, "DeadLetter", record)], None)
-
-    def store(group_id: str, state: dict | None) -> None:
-        if state is None:
-            groups.pop(group_id, None)
-        else:
-            groups[group_id] = state
 
     @app.agent(inputs, name="groups", concurrency=1)
     async def fold_groups(stream):
@@ -95,11 +107,11 @@ def build_app(config: TopologyConfig) -> faust.App:
                 if schema not in TOPICS.by_name(message.topic).value_schemas:
                     raise DecodeError(f"{message.topic} does not carry {schema}")
                 async with lock:
-                    state, emits = fold(groups.get(record.get("group_id", "")), schema, record, settings,
-                                        message.partition)
+                    held, snapshot = store.load(record.get("group_id", ""))
+                    state, emits = fold(held, schema, record, settings, message.partition)
                     await publish(emits, message.partition)
                     if state is not None:
-                        store(record["group_id"], state)
+                        store.save(record["group_id"], state, snapshot)
             except (DecodeError, InvalidEvent) as exc:
                 await reject(message, str(exc), "processors.groups")
 
@@ -108,17 +120,17 @@ def build_app(config: TopologyConfig) -> faust.App:
         async for value in stream:
             group_id = json.loads(value)["group_id"]
             async with lock:
-                state = groups.get(group_id)
+                state, snapshot = store.load(group_id)
                 new, emits = expire(state, now_ms(), settings)
                 if state is not None and new is not state:
                     await publish(emits, state["partition"])
-                    store(group_id, new)
+                    store.save(group_id, new, snapshot)
 
     @app.timer(config.tick_s, name="timeouts-scan")
     async def scan() -> None:
         now = now_ms()
         for group_id, state in list(groups.items()):
-            if due(state, now, settings):
+            if not is_entry(group_id) and due(state, now, settings):
                 await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
                                     partition=state["partition"])
 

@@ -47,6 +47,9 @@ def validate(schema: str, record: dict) -> None:
         raise InvalidEvent(f"the processors do not read {schema} events")
     if not record.get("group_id"):
         raise InvalidEvent(f"{schema} {record.get('event_id')} has no group_id")
+    if not record["group_id"].isprintable():
+        raise InvalidEvent(f"{schema} {record.get('event_id')}: group_id {record['group_id']!r} has a control "
+                           f"character")
     if schema == "Task" and record["group_size"] < 1:
         raise InvalidEvent(f"Task {record['task_id']} has group_size {record['group_size']} (must be >= 1)")
     if schema == "Completion" and record["trainable"]:

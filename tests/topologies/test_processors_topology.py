@@ -82,7 +82,7 @@ class Reader:
                 schema == "DeadLetter" and (record["key"] or b"").decode(errors="replace").startswith(self.run_id))
             if mine and (schema != "Reward" or record["source"] == "processors"):
                 self.seen.append((msg.topic(), schema, record))
-        assert done(self), f"timed out; saw {len(self.seen)} records"
+        assert done(self), f"timed out; saw {len(self.seen)} records: {[(s, r.get('group_id', r.get('key'))) for _, s, r in self.seen]}"
 
     def of(self, schema: str) -> list[dict]:
         return [r for _, s, r in self.seen if s == schema]
@@ -97,15 +97,19 @@ class Reader:
 def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     settings = ProcessorSettings(group_timeout_ms=15_000)
     t0 = now_ms()
-    groups = {f"{run_id}-g{i}": group_events(f"{run_id}-g{i}", seq=i, group_size=3, start_ms=t0) for i in range(3)}
+    # Only g1 may time out: the others' events are stamped 10 minutes ahead, so a worker that starts late on a busy
+    # machine cannot find them due (by wall time) while it is still reading them, and close them half-read.
+    ahead = t0 + 600_000
+    groups = {f"{run_id}-g{i}": group_events(f"{run_id}-g{i}", seq=i, group_size=3, start_ms=t0 if i == 1 else ahead)
+              for i in range(3)}
     late = f"{run_id}-g1-s2"  # this session never finishes: its group closes on the timeout
     groups[f"{run_id}-g1"] = [e for e in groups[f"{run_id}-g1"]
                               if not (e[0] == "SessionFinished" and e[1]["session_id"] == late)]
     failed = f"{run_id}-g3"  # every session of this group fails: it closes at once without a sample
-    groups[failed] = [e for e in group_events(failed, seq=3, group_size=2, start_ms=t0)
+    groups[failed] = [e for e in group_events(failed, seq=3, group_size=2, start_ms=ahead)
                       if e[0] in ("Task", "SessionStarted")]
     groups[failed] += [("SessionFinished", {
-        "event_id": f"finish-{sid}", "event_time": t0 + 50, "group_id": failed, "task_id": f"task-{failed}",
+        "event_id": f"finish-{sid}", "event_time": ahead + 50, "group_id": failed, "task_id": f"task-{failed}",
         "session_id": sid, "status": "error", "num_completions": 0, "num_tool_spans": 0, "reason": "crashed"})
         for sid in (f"{failed}-s0", f"{failed}-s1")]
     events = [e for evs in groups.values() for e in evs]
