@@ -158,7 +158,7 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
         "--data-dir", str(settings.home / "processors"),
         "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
-        *_flags(opts, ("advantage", "advantage_scale", "gamma")),
+        *_flags(opts, ("advantage", "advantage_scale", "gamma", "claim_store", "claim_over_bytes")),
         *(a for rule in opts.get("rules", ()) for a in ("--rule", str(rule))),
     )
 

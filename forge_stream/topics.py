@@ -88,7 +88,7 @@ TOPICS = Catalog(
     trajectories=Topic("forge.trajectories", "group_id", ("Trajectory",), ROLLOUT_PARTITIONS, 30 * DAY_MS,
                        ("processors",), ("analytics", "parquet sink"), doc="Assembled sessions with advantages.",
                        max_message_bytes=4 * MiB),
-    samples=Topic("forge.samples", "group_id", ("TrainSample", "GroupSkipped"), ROLLOUT_PARTITIONS, 30 * DAY_MS,
+    samples=Topic("forge.samples", "group_id", ("TrainSample", "GroupSkipped", "SampleClaim"), ROLLOUT_PARTITIONS, 30 * DAY_MS,
                   ("processors",), ("scheduler", "trainer"),
                   doc="One packed prefix tree per group, or why the group has none (GroupSkipped).",
                   max_message_bytes=64 * MiB),  # a group of long sessions: millions of tree rows

@@ -27,6 +27,12 @@ def run(
                                             "the defaults (invalid_tool_call, tool_error, language_mixing); e.g. "
                                             "forge_stream.processors.rules.tool_result_answers=0.5. Repeatable."),
     tick_s: float = typer.Option(1.0, help="How often open groups are checked for their deadline."),
+    claim_store: Optional[str] = typer.Option(None, help="fsspec URL where TrainSamples too large for one Kafka "
+                                                          "record are stored (claim check; default: DATA_DIR/claims, "
+                                                          "one host). A cluster needs a store the trainers reach, "
+                                                          "e.g. s3://bucket/prefix (pip install s3fs)."),
+    claim_over_bytes: int = typer.Option(1024 * 1024, help="A TrainSample encoded larger than this goes as a "
+                                                           "SampleClaim (by reference)."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
 ) -> None:
@@ -44,5 +50,6 @@ def run(
                                      advantage=advantage, advantage_scale=advantage_scale,
                                      rules=DEFAULT_RULES + tuple(parse_rule(r) for r in rule)),
         tick_s=tick_s, offset_reset=offset_reset, replication_factor=cluster_replication_factor(forge.bootstrap),
+        claim_store=claim_store, claim_over_bytes=claim_over_bytes,
     )
     run_worker(config, loglevel)

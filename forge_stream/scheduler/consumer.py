@@ -1,7 +1,8 @@
 """The Kafka adapter of the windowed FIFO: forge.tasks + forge.samples in, batches to the trainer out.
 
-It learns the queue from Task events (`seq`) and the finished groups from TrainSample events (`task_seq`),
-holds finished samples until the window reaches them, and hands the trainer batches through
+It learns the queue from Task events (`seq`) and the finished groups from TrainSample events (`task_seq`) or
+their SampleClaims (a sample too large for Kafka, forge_stream.events.claims: redeemed when handed over, so a
+held claim costs its header only), holds finished samples until the window reaches them, and hands the trainer batches through
 `WindowedFifo` (forge_stream.scheduler.window).
 
 Durability. Kafka offsets are one watermark per partition, and groups are consumed out of order, so the
@@ -30,12 +31,13 @@ and not yet consumed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Protocol
 
 from confluent_kafka import Consumer, TopicPartition
 
 from forge_stream.events import deterministic_id, encode, now_ms
+from forge_stream.events.claims import ClaimError, redeem
 from forge_stream.kafka.consumer import DecodingConsumer, Event, consumer_config, dead_letter
 from forge_stream.kafka.history import Slice, read_slice, watermarks
 from forge_stream.kafka.producer import EventProducer
@@ -257,7 +259,7 @@ class WindowedConsumer:
 
     def _finish(self, sample: Event) -> None:
         try:
-            if self._validate is not None:
+            if self._validate is not None and sample.schema == "TrainSample":  # a claim is checked when redeemed
                 self._validate(sample.record)
         except ValueError as exc:
             self._reject(sample, f"invalid TrainSample: {exc}")
@@ -265,6 +267,22 @@ class WindowedConsumer:
         seq = sample.record["task_seq"]
         self._samples.setdefault(seq, sample)
         self._core.finish(seq)
+
+    def _redeem(self, claim: Event) -> Event | None:
+        """The TrainSample a SampleClaim stands for, fetched when the window hands its group over (held claims
+        are small); None when it cannot be had or used (dead-lettered, the group skipped)."""
+        try:
+            sample = redeem(claim.record)
+            if self._validate is not None:
+                self._validate(sample)
+        except ClaimError as exc:
+            self._reject(claim, f"claimed TrainSample unavailable: {exc}")
+        except ValueError as exc:
+            self._reject(claim, f"invalid TrainSample: {exc}")
+        else:
+            return replace(claim, schema="TrainSample", record=sample)
+        self.skipped.append(claim.record["group_id"])
+        return None
 
     def _window(self) -> int | None:
         basis = self.settings.rollout_slots or max(1, self._core.pending())
@@ -280,6 +298,8 @@ class WindowedConsumer:
             for seq in seqs:
                 event = self._samples.pop(seq)
                 self._tasks.pop(seq, None)
+                if event.schema == "SampleClaim" and (event := self._redeem(event)) is None:
+                    continue
                 lag = version - event.record["policy_version"]
                 if bound is not None and lag > bound:
                     if drop:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forge_stream.events.claims import redeem
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, step_record
@@ -33,10 +34,11 @@ class ReplaySettings:
 
 
 def replay_samples(settings: ReplaySettings, errors: list | None = None) -> list[dict]:
-    """The slice's TrainSamples, once each, in submission order."""
-    unique = {e.record["event_id"]: e.record for e in read_slice(settings.bootstrap, TOPICS.samples, settings.where,
-                                                                  errors) if e.schema == "TrainSample"}
-    return sorted(unique.values(), key=lambda r: (r["task_seq"], r["group_id"]))
+    """The slice's TrainSamples, once each, in submission order (a SampleClaim redeemed from its store)."""
+    unique = {e.record["event_id"]: e for e in read_slice(settings.bootstrap, TOPICS.samples, settings.where, errors)
+              if e.schema in ("TrainSample", "SampleClaim")}
+    samples = [redeem(e.record) if e.schema == "SampleClaim" else e.record for e in unique.values()]
+    return sorted(samples, key=lambda r: (r["task_seq"], r["group_id"]))
 
 
 class HistoryBatches:

@@ -271,3 +271,37 @@ def test_the_group_timeout_goes_on_across_a_restart(kafka_bootstrap, run_id):
     assert time.monotonic() - submitted >= 5.9, "skipped before its timeout"
     assert time.monotonic() - started < 5, "the clock started again at the restart"
     restarted.close()
+
+
+def test_a_sample_claim_is_redeemed_when_handed_over_and_a_lost_payload_skips_its_group(kafka_bootstrap, run_id,
+                                                                                         tmp_path):
+    """A TrainSample too large for Kafka comes as a SampleClaim (forge_stream.events.claims): the trainer gets the
+    whole sample; a claim whose payload is gone is dead-lettered and its group skipped, without blocking others."""
+    from forge_stream.events import decode, encode
+    from forge_stream.events.claims import ClaimStore, claim_record
+
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=2, window=WindowSpec(count=3))
+    store = ClaimStore(str(tmp_path / "claims"))
+    big = {**sample(run_id, 0), "token_ids": [7, 8, 9, 10]}
+    lost = sample(run_id, 1)
+    claims = [claim_record(big, store.put(encode("TrainSample", big))),
+              claim_record(lost, store.put(encode("TrainSample", lost)))]
+    for path in (tmp_path / "claims").rglob("*"):
+        if path.is_file() and path.name == claims[1]["sha256"]:
+            path.unlink()
+    producer = EventProducer(kafka_bootstrap)
+    for s in range(3):
+        producer.produce(TOPICS.tasks, group_id(run_id, s), task(run_id, s))
+    for record in claims:
+        producer.produce(TOPICS.samples, record["group_id"], record, "SampleClaim")
+    producer.produce(TOPICS.samples, group_id(run_id, 2), sample(run_id, 2))
+    producer.close()
+    checked = []
+    consumer, trainer = WindowedConsumer(settings, validate=checked.append), CountingTrainer()
+    steps = consumer.run(trainer, steps=1, wait_s=20)
+    assert steps[0]["group_ids"] == [group_id(run_id, 0), group_id(run_id, 2)]
+    assert trainer.batches[0].samples[0] == decode(encode("TrainSample", big))[1]  # the whole sample, as on the wire
+    assert {r["group_id"] for r in checked} == {group_id(run_id, 0), group_id(run_id, 2)}  # validated when redeemed
+    [letter] = letters_for(kafka_bootstrap, group_id(run_id, 1))
+    assert "claimed TrainSample unavailable" in letter["error"] and consumer.skipped == [group_id(run_id, 1)]
+    consumer.close()
