@@ -33,7 +33,9 @@ from forge_stream.topics import TOPICS
 
 
 @contextmanager
-def server_process(args: list[str], health_url: str, log: Path):
+def server_process(args: list[str], health_url: str | None, log: Path):
+    """Run `python args...` until the block ends; wait until `health_url` answers 200 (None: until it has run
+    for a second without exiting)."""
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -41,6 +43,11 @@ def server_process(args: list[str], health_url: str, log: Path):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"{args[:3]} exited: {log.read_text()[-2000:]}")
+            if health_url is None:
+                time.sleep(1)
+                if proc.poll() is None:
+                    break
+                continue
             try:
                 if httpx.get(health_url, timeout=1).status_code == 200:
                     break

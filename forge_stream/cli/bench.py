@@ -51,6 +51,25 @@ def gateway(
     emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers), as_json)
 
 
+@app.command("long-horizon")
+def long_horizon(
+    sessions: int = typer.Option(2, help="Sessions in the group (G)."),
+    turns: int = typer.Option(220, help="Turns per session (calls, the context-management ones included)."),
+    append_tokens: int = typer.Option(1000, help="Tokens each turn appends (a tool result or a user message)."),
+    reset: list[int] = typer.Option([10, 20], help="Turns at which the agent summarizes and restarts its context."),
+    half: bool = typer.Option(True, help="Also run at half the turns (bytes per unique token should not change)."),
+    train: bool = typer.Option(True, help="Take one training step on the group's sample (tiny model)."),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
+    as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
+) -> None:
+    """One group of long sessions (200K+ tokens, 200+ turns, resets) through gateway, Kafka, processors, trainer."""
+    from forge_stream.bench.long_horizon import run
+
+    progress = lambda line: typer.echo(line, err=True)  # noqa: E731
+    emit(run(bootstrap=bootstrap_servers, sessions=sessions, turns=turns, append_tokens=append_tokens,
+             resets=tuple(reset), half=half, train=train, progress=progress), as_json)
+
+
 @app.command("load")
 def load(
     agents: int = typer.Option(200, help="Concurrent agents (each: session, tool call, tool result, finish, again)."),

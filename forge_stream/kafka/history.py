@@ -102,3 +102,37 @@ def read_completions(bootstrap: str, where: Slice = Slice(), keep: Callable[[dic
     select whole sessions and the slice must start at or before their first completion."""
     kept = [e.record for e in read_slice(bootstrap, TOPICS.completions, where) if keep(e.record)]
     return whole_completions(kept, messages)
+
+
+def topic_bytes(bootstrap: str, key_contains: bytes | None = None, include_internal: bool = False) -> dict[str, int]:
+    """Bytes of keys and values held by every topic of the cluster (compacted topics as they are now), read
+    without a consumer group, counting only records whose key contains `key_contains` when given (a group id:
+    the rollout topics are keyed by it, and so are the processors' table changelogs); Kafka's own `__` topics
+    only with `include_internal`. For benchmarks."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-history-reader",
+                         "enable.auto.commit": False, "log_level": 0})
+    out: dict[str, int] = {}
+    try:
+        for name, meta in sorted(consumer.list_topics(timeout=10).topics.items()):
+            if name.startswith("__") and not include_internal:
+                continue
+            out[name] = 0
+            for partition in meta.partitions:
+                start, end = watermarks(consumer, name, partition)
+                if start >= end:
+                    continue
+                consumer.assign([TopicPartition(name, partition, start)])
+                while True:
+                    msg = consumer.poll(10)
+                    if msg is None:
+                        raise TimeoutError(f"{name}[{partition}] stopped before offset {end}")
+                    if msg.error():
+                        continue
+                    key = msg.key() or b""
+                    if key_contains is None or key_contains in key:
+                        out[name] += len(key) + len(msg.value() or b"")
+                    if msg.offset() + 1 >= end:
+                        break
+    finally:
+        consumer.close()
+    return out
