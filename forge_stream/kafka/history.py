@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import time
-
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 
 from forge_stream.events import DecodeError, decode
 from forge_stream.events.prompts import whole_completions
-from forge_stream.kafka.consumer import Event
+from forge_stream.kafka.consumer import Event, low_high
 from forge_stream.topics import TOPICS, Topic
 
 
@@ -30,26 +28,10 @@ class Slice:
     end_offsets: dict[int, int] | None = None
 
 
-RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
-
-
-def watermarks(consumer: Consumer, topic: str, partition: int, attempts: int = 50) -> tuple[int, int]:
-    """Low and high offsets, retrying while a freshly created partition has no leader yet."""
-    for attempt in range(attempts):
-        try:
-            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        except KafkaException as exc:
-            if exc.args[0].code() not in RETRIABLE or attempt == attempts - 1:
-                raise
-            time.sleep(0.2)
-    raise AssertionError("unreachable")
-
-
 def _bounds(consumer: Consumer, topic: Topic, where: Slice) -> dict[int, tuple[int, int]]:
     bounds = {}
     for p in range(topic.partitions):
-        low, high = watermarks(consumer, topic.name, p)
+        low, high = low_high(consumer, topic.name, p)
         start, end = low, high
         if where.start_offsets is not None:
             start = max(low, where.start_offsets.get(p, low))
