@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
@@ -39,6 +39,12 @@ class Event:
     schema: str
     record: dict
     timestamp_ms: int
+
+
+def event_of(msg, schema: str, record: dict) -> Event:
+    """The Event of a polled Kafka message and its decoded record."""
+    key = msg.key().decode(errors="replace") if msg.key() is not None else None
+    return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
 
 
 def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
@@ -179,8 +185,7 @@ class DecodingConsumer:
                 self._reject(msg, str(exc))
                 continue
             self.marks.passed(msg.topic(), msg.partition(), msg.offset())
-            key = msg.key().decode(errors="replace") if msg.key() is not None else None
-            return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+            return event_of(msg, schema, record)
 
     @property
     def assigned(self) -> bool:
@@ -225,6 +230,14 @@ def low_high(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
     """Low and high offsets, retrying while a freshly created partition has no leader yet."""
     return _retrying(lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10),
                      RETRIABLE)
+
+
+def offset_at_time(consumer: Consumer, topic: str, partition: int, ms: int, timeout: float = 10.0) -> int:
+    """The first offset with a timestamp at or after `ms` (the partition's end when there is none)."""
+    found = consumer.offsets_for_times([TopicPartition(topic, partition, max(ms, 0))], timeout=timeout)[0]
+    if found.offset in (-1, OFFSET_END):
+        return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)[1]
+    return found.offset
 
 
 def _committed(consumer: Consumer, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
@@ -303,8 +316,7 @@ class AssignedConsumer:
             if self._on_undecodable is not None:
                 self._on_undecodable(msg.topic(), msg.partition(), msg.offset(), str(exc))
             return None
-        key = msg.key().decode(errors="replace") if msg.key() is not None else None
-        return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+        return event_of(msg, schema, record)
 
     def _catch_up(self) -> None:
         """Move past what no message stands for (transaction markers), as the consumer's own position says."""

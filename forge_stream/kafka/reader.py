@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode
-from forge_stream.kafka.consumer import Event
+from forge_stream.kafka.consumer import Event, event_of, offset_at_time
 from forge_stream.topics import Topic
 
 
@@ -75,12 +75,7 @@ class PartitionReader:
     def offset_at(self, topic: Topic, partition: int, ms: int) -> int:
         """The first offset with a timestamp at or after `ms` (the end when there is none)."""
         with self._consumer() as consumer:
-            found = consumer.offsets_for_times([TopicPartition(topic.name, partition, max(ms, 0))],
-                                               timeout=self.timeout_s)[0]
-            if found.offset in (-1, OFFSET_END):
-                return consumer.get_watermark_offsets(TopicPartition(topic.name, partition),
-                                                      timeout=self.timeout_s)[1]
-            return found.offset
+            return offset_at_time(consumer, topic.name, partition, ms, self.timeout_s)
 
     def read(self, topic: Topic, partition: int, start: int, end: int,
              key: str | None = None) -> list[tuple[int, int, str, dict]]:
@@ -91,17 +86,9 @@ class PartitionReader:
             return out
         wanted = key.encode() if key is not None else None
         with self._consumer() as consumer:
-            consumer.assign([TopicPartition(topic.name, partition, start)])
             try:
-                offset = start
-                while offset < end:
-                    msg = consumer.poll(self.timeout_s)
-                    if msg is None:
-                        raise TimeoutError(f"{topic.name}[{partition}] stopped at offset {offset} before {end}")
-                    if msg.error():
-                        continue
-                    offset = msg.offset() + 1
-                    if msg.offset() >= end or (wanted is not None and msg.key() != wanted):
+                for msg in records_between(consumer, topic.name, partition, start, end, self.timeout_s):
+                    if wanted is not None and msg.key() != wanted:
                         continue
                     try:
                         schema, record = decode(msg.value() or b"")
@@ -111,6 +98,22 @@ class PartitionReader:
             finally:
                 consumer.unassign()
         return out
+
+
+def records_between(consumer: Consumer, topic: str, partition: int, start: int, end: int,
+                    timeout_s: float) -> Iterator:
+    """The messages at offsets [start, end) of one partition, read with `consumer` (assigned to it here)."""
+    consumer.assign([TopicPartition(topic, partition, start)])
+    offset = start
+    while offset < end:
+        msg = consumer.poll(timeout_s)
+        if msg is None:
+            raise TimeoutError(f"{topic}[{partition}] stopped at offset {offset} before {end}")
+        if msg.error():
+            continue
+        offset = msg.offset() + 1
+        if msg.offset() < end:
+            yield msg
 
 
 class Tail:
@@ -130,8 +133,7 @@ class Tail:
             schema, record = decode(msg.value() or b"")
         except DecodeError:
             return None
-        key = msg.key().decode(errors="replace") if msg.key() is not None else None
-        return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+        return event_of(msg, schema, record)
 
     def close(self) -> None:
         self._consumer.close()
