@@ -42,12 +42,9 @@ class ParquetSink:
     def __init__(self, settings: ParquetSinkSettings):
         self.settings = settings
         topics: list[Topic] = [TOPICS.by_name(name) for name in settings.topics]
-        self.consumer = DecodingConsumer(settings.bootstrap, settings.group_id, topics, name="parquet-sink",
-                                         on_dead_letter=self._passed)
+        self.consumer = DecodingConsumer(settings.bootstrap, settings.group_id, topics, name="parquet-sink")
         self.buffers: dict[tuple[str, int], list[Event]] = {}
         self.files_written: list[Path] = []
-        self._next: dict[tuple[str, int], int] = {}  # per partition: the offset after the last record read
-        self._committed: dict[tuple[str, int], int] = {}
 
     def poll(self, timeout: float) -> bool:
         """Buffer at most one event; False when none arrived."""
@@ -55,7 +52,6 @@ class ParquetSink:
         if event is None:
             return False
         self.buffers.setdefault((event.topic, event.partition), []).append(event)
-        self._passed(event.topic, event.partition, event.offset)
         return True
 
     def flush(self) -> None:
@@ -71,10 +67,7 @@ class ParquetSink:
             tmp.replace(folder / name)
             self.files_written.append(folder / name)
         self.buffers.clear()
-        due = {tp: offset for tp, offset in self._next.items() if offset > self._committed.get(tp, -1)}
-        if due:
-            self.consumer.commit(due)
-            self._committed.update(due)
+        self.consumer.commit()
 
     def run(self, max_seconds: float | None = None, idle_exit_seconds: float | None = None) -> int:
         """Consume and write until stopped (or a time limit / idle period, for batch use); returns rows written."""
@@ -95,6 +88,3 @@ class ParquetSink:
         self.flush()
         self.consumer.close()
         return rows
-
-    def _passed(self, topic: str, partition: int, offset: int) -> None:
-        self._next[(topic, partition)] = offset + 1

@@ -31,11 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from torch.utils.tensorboard import SummaryWriter
 
-from forge_stream.events import DecodeError, decode
-from forge_stream.kafka.history import watermarks
+from forge_stream.kafka.consumer import AssignedConsumer
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
@@ -45,8 +43,6 @@ TRAIN_FIELDS = ("loss", "mean_reward", "outcome_reward", "mismatch_mean", "misma
                 "groups", "rollouts", "sequences")
 EVAL_FIELDS = ("mean_reward", "ci_low", "ci_high", "failed")
 ROLLOUTS_DIR = "rollouts"
-COORDINATOR_STARTING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
-                        KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TRANSPORT}
 
 
 def train_scalars(record: dict) -> dict[str, float]:
@@ -109,37 +105,18 @@ class TensorBoardSink:
     def __init__(self, settings: TensorBoardSinkSettings):
         self.settings = settings
         self.topics = (TOPICS.train_metrics, TOPICS.evals, TOPICS.trajectories)
-        self.consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": settings.group_id,
-                                  "enable.auto.commit": False, "log_level": 0})
-        self.positions: dict[tuple[str, int], int] = {}
-        self.ends: dict[tuple[str, int], int] = {}
-        self.writers: dict[str, SummaryWriter] = {}
         self.scalars_written = 0
         self.undecodable = 0
+        self.consumer = AssignedConsumer(settings.bootstrap, settings.group_id, list(self.topics),
+                                         name="tensorboard-sink", from_beginning=settings.from_beginning,
+                                         on_undecodable=self._undecodable)
+        self.positions = self.consumer.marks.read  # per partition: the next offset to read
+        self.writers: dict[str, SummaryWriter] = {}
         self._stop = threading.Event()
-        self._assign()
 
-    def _assign(self) -> None:
-        partitions = [TopicPartition(t.name, p) for t in self.topics for p in range(t.partitions)]
-        committed = {} if self.settings.from_beginning else {
-            (tp.topic, tp.partition): tp.offset for tp in self._committed(partitions)}
-        for tp in partitions:
-            low, high = watermarks(self.consumer, tp.topic, tp.partition)
-            start = committed.get((tp.topic, tp.partition), -1)
-            self.positions[(tp.topic, tp.partition)] = start if start >= low else low
-            self.ends[(tp.topic, tp.partition)] = high
-        self.consumer.assign([TopicPartition(t, p, offset) for (t, p), offset in self.positions.items()])
-
-    def _committed(self, partitions: list[TopicPartition], attempts: int = 50) -> list[TopicPartition]:
-        """The group's committed offsets, retrying while a fresh broker is still electing the group coordinator."""
-        for attempt in range(attempts):
-            try:
-                return self.consumer.committed(partitions, timeout=10)
-            except KafkaException as exc:
-                if exc.args[0].code() not in COORDINATOR_STARTING or attempt == attempts - 1:
-                    raise
-                time.sleep(0.2)
-        raise AssertionError("unreachable")
+    def _undecodable(self, topic: str, partition: int, offset: int, error: str) -> None:
+        self.undecodable += 1
+        log.warning("%s[%d]@%d: %s", topic, partition, offset, error)
 
     def _writer(self, name: str) -> SummaryWriter:
         if name not in self.writers:
@@ -163,15 +140,11 @@ class TensorBoardSink:
             count = sum(offset for (t, _), offset in self.positions.items() if t == topic)
             self._write(run or ROLLOUTS_DIR, rollout_scalars(record), count, record["event_time"])
 
-    def at_end(self) -> bool:
-        return all(self.positions[tp] >= end for tp, end in self.ends.items())
-
     def flush(self) -> None:
         """Flush every writer, then commit what they hold."""
         for writer in self.writers.values():
             writer.flush()
-        self.consumer.commit(offsets=[TopicPartition(t, p, offset) for (t, p), offset in self.positions.items()],
-                             asynchronous=False)
+        self.consumer.commit()
 
     def stop(self) -> None:
         """Make `run` flush, commit and return (from another thread)."""
@@ -181,22 +154,10 @@ class TensorBoardSink:
         """Consume until the end (or, following, until stopped); returns the number of scalars written."""
         last_flush = time.monotonic()
         try:
-            while not self._stop.is_set() and (self.settings.follow or not self.at_end()):
-                msg = self.consumer.poll(0.5)
-                if msg is not None and not msg.error():
-                    self.positions[(msg.topic(), msg.partition())] = msg.offset() + 1
-                    try:
-                        schema, record = decode(msg.value() or b"")
-                        if schema not in TOPICS.by_name(msg.topic()).value_schemas:
-                            raise DecodeError(f"{msg.topic()} does not carry {schema}")
-                    except DecodeError as exc:
-                        self.undecodable += 1
-                        log.warning("%s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
-                    else:
-                        key = msg.key().decode(errors="replace") if msg.key() is not None else None
-                        self.handle(msg.topic(), key, record)
-                elif msg is None:
-                    self._catch_up_positions()
+            while not self._stop.is_set() and (self.settings.follow or not self.consumer.at_end()):
+                event = self.consumer.poll(0.5)
+                if event is not None:
+                    self.handle(event.topic, event.key, event.record)
                 if time.monotonic() - last_flush >= self.settings.flush_seconds:
                     self.flush()
                     last_flush = time.monotonic()
@@ -206,9 +167,3 @@ class TensorBoardSink:
                 writer.close()
             self.consumer.close()
         return self.scalars_written
-
-    def _catch_up_positions(self) -> None:
-        """Move past what no message stands for (transaction markers), as the consumer's own position says."""
-        for tp in self.consumer.position([TopicPartition(t, p) for t, p in self.positions]):
-            if tp.offset >= 0:
-                self.positions[(tp.topic, tp.partition)] = max(self.positions[(tp.topic, tp.partition)], tp.offset)

@@ -28,15 +28,16 @@ from pathlib import Path
 
 import httpx
 
+from forge_stream.proc import ProcessError, ProcessExited, exit_reason, log_tail, start_process, wait_healthy
+
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
 QUICK_EXIT_S = 10.0  # a service that dies sooner than this after its start died quickly
 CRASH_LOOP_EXITS = 3  # quick deaths in a row that make a service crash-looping
 TICK_S = 0.3
-LOG_TAIL_LINES = 20
 
 
-class ServiceError(RuntimeError):
+class ServiceError(ProcessError):
     """A service did not start or become healthy; the message names its log."""
 
 
@@ -70,24 +71,6 @@ def _alive(pid: int | None) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return True
-
-
-def exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return ""
 
 
 def _restart_delay(quick_exits: int) -> float:
@@ -164,12 +147,10 @@ class Supervisor:
             pid = self.daemon_pid()
             if pid is not None:
                 return pid
-            with open(self.log_file, "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "forge_stream.services", str(self.run_dir)],
-                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-            self.write_pid(proc.pid)
-            return proc.pid
+            daemon = start_process([sys.executable, "-m", "forge_stream.services", str(self.run_dir)], self.log_file,
+                                   new_session=True)
+            self.write_pid(daemon.pid)
+            return daemon.pid
 
     def start(self, spec: ServiceSpec, timeout: float = 120.0) -> dict:
         """Have the supervisor run `spec` (unless it already runs) and wait until it is healthy."""
@@ -207,23 +188,20 @@ class Supervisor:
         raise ServiceError(f"the supervisor did not start {name} within {timeout:.0f}s; see {self.log_file}")
 
     def _wait_healthy(self, spec: ServiceSpec, pid: int, log: Path, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def exited() -> str | None:
             entry = self._state().get(spec.name)
             if entry is None or entry["pid"] != pid or not _alive(pid):
-                reason = (entry or {}).get("last_exit") or {"reason": "it exited"}
-                self.stop(spec.name)
-                raise ServiceError(f"{spec.name} did not start ({reason['reason']}); its log {log} ends:\n"
-                                   + log_tail(log, 25))
-            if spec.health_url is None:
-                return
-            try:
-                if httpx.get(spec.health_url, timeout=2).status_code < 500:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise ServiceError(f"{spec.name} was not healthy at {spec.health_url} within {timeout:.0f}s; see {log}")
+                return ((entry or {}).get("last_exit") or {"reason": "it exited"})["reason"]
+            return None
+
+        try:
+            wait_healthy(spec.name, url=spec.health_url, exited=exited, log=log, timeout=timeout,
+                              any_answer=True, interval=0.3)
+        except ProcessExited as exc:
+            self.stop(spec.name)
+            raise ServiceError(str(exc)) from None
+        except ProcessError as exc:
+            raise ServiceError(str(exc)) from None
 
     def stop(self, name: str, timeout: float = 20.0) -> bool:
         """Take `name` off the supervisor's list (so it is not restarted), then end it; whether it ran."""
@@ -280,8 +258,7 @@ def _spawn(entry: dict, now: float) -> subprocess.Popen | None:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} forge-stream supervisor: starting "
                       f"(restart {entry['restarts'] + 1 if entry['last_exit'] else 0})\n".encode())
             log.flush()
-            return subprocess.Popen(entry["argv"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **entry["env"]}, start_new_session=True)
+            return start_process(entry["argv"], log, new_session=True, env={**os.environ, **entry["env"]})
     except OSError as exc:
         entry["quick_exits"] += 1
         entry["last_exit"] = {"reason": f"could not start: {exc}", "at": now, "ran_s": 0.0, "log_tail": ""}

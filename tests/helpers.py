@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -10,11 +9,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import uvicorn
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.proc import running
 from forge_stream.topics import Topic
 
 FAKE_VLLM = Path(__file__).parent / "fakes" / "vllm_server.py"
@@ -52,26 +51,9 @@ def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> 
 @contextmanager
 def http_process(argv: list[str], port: int, *, timeout: float = 60.0, log=None, env=None) -> Iterator[str]:
     """Run a server process on `port` until its /health answers 200; yields its base URL, stops it after."""
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
     url = f"http://127.0.0.1:{port}"
-    where = f"; see {log.name}" if log else ""
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(argv[:4])} exited with {proc.returncode}{where}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}/health did not answer within {timeout:.0f}s{where}")
-            time.sleep(0.2)
+    with running(argv, url=f"{url}/health", log=log, timeout=timeout, stop_timeout=60, env=env):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @contextmanager

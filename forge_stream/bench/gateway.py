@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -29,41 +28,8 @@ from forge_stream.gateway.scripted import encode, render
 from forge_stream.bench import bench_kafka
 from forge_stream.kafka.admin import end_offsets
 from forge_stream.kafka.broker import free_port
+from forge_stream.proc import running
 from forge_stream.topics import TOPICS
-
-
-@contextmanager
-def server_process(args: list[str], health_url: str | None, log: Path):
-    """Run `python args...` until the block ends; wait until `health_url` answers 200 (None: until it has run
-    for a second without exiting)."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args[:3]} exited: {log.read_text()[-2000:]}")
-            if health_url is None:
-                time.sleep(1)
-                if proc.poll() is None:
-                    break
-                continue
-            try:
-                if httpx.get(health_url, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{args[:3]} did not become healthy")
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _request(path: str, body: bytes) -> bytes:
@@ -132,14 +98,15 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
-        stack.enter_context(server_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
-                                      "--reply", "The answer is 42, computed by the scripted engine."],
-                                     f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
-        gateway = stack.enter_context(server_process(
-            ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
+        stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+                                     "--reply", "The answer is 42, computed by the scripted engine."],
+                                    url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log",
+                                    stop_timeout=10))
+        gateway = stack.enter_context(running(
+            [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
              f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
              *(["--workers", str(workers)] if workers > 1 else [])],
-            f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))
+            url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         callers = max(concurrency)
         sessions = [httpx.post(f"{gateway_url}/v1/sessions", json={"group_id": f"bench-{i % 8}",

@@ -17,6 +17,7 @@ gateway's peak resident memory, sampled from /proc/<pid>/status while the agents
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 import time
 import uuid
@@ -29,10 +30,10 @@ import httpx
 import orjson
 
 from forge_stream.bench import bench_kafka
-from forge_stream.bench.gateway import server_process
 from forge_stream.kafka.admin import end_offsets
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.proc import running
 from forge_stream.topics import TOPICS
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
@@ -203,16 +204,16 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(settings.bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
-        stack.enter_context(server_process(
-            ["-m", "forge_stream.gateway.scripted", "--port", str(engine_port), "--reply", "The answer is 42.",
-             "--tool-call", CALL, "--delay-ms", str(settings.engine_delay_ms)],
-            f"http://127.0.0.1:{engine_port}/health", work / "engine.log"))
-        gateway = stack.enter_context(server_process(
-            ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
+        stack.enter_context(running(
+            [sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+             "--reply", "The answer is 42.", "--tool-call", CALL, "--delay-ms", str(settings.engine_delay_ms)],
+            url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log", stop_timeout=10))
+        gateway = stack.enter_context(running(
+            [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
              f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
              "--max-in-flight", str(settings.max_in_flight), "--max-waiting", str(settings.max_waiting),
              "--shed-retry-after-s", str(settings.retry_after_s)],
-            f"http://127.0.0.1:{gateway_port}/health", work / "gateway.log"))
+            url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
         before = end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions)
         loop = loop_factory()
         try:

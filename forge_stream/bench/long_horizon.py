@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -34,11 +35,11 @@ import httpx
 import orjson
 
 from forge_stream.bench import bench_kafka
-from forge_stream.bench.gateway import server_process
 from forge_stream.events import now_ms
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice, topic_bytes
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.proc import running
 from forge_stream.topics import TOPICS
 
 SYSTEM = "You are a long-horizon agent. Use the shell tool; summarize when asked."
@@ -165,15 +166,6 @@ def _p50(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-def _wait_ready(log: Path, timeout_s: float = 180) -> None:
-    """Until the faust worker says it is ready (assigned, tables recovered): it starts at the topics' end."""
-    deadline = time.monotonic() + timeout_s
-    while "Worker]: Ready" not in log.read_text(errors="replace"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the processors did not become ready within {timeout_s:.0f}s; see {log}")
-        time.sleep(0.5)
-
-
 def measure(bootstrap: str | None, sessions: int, turns: int, resets: tuple[int, ...], append_tokens: int,
             train: bool, claim_over_bytes: int = 1024 * 1024, progress=None) -> dict:
     from forge_stream.events.claims import redeem
@@ -184,21 +176,23 @@ def measure(bootstrap: str | None, sessions: int, turns: int, resets: tuple[int,
         engine_port, gateway_port = free_port(), free_port()
         engine = f"http://127.0.0.1:{engine_port}"
         gateway = f"http://127.0.0.1:{gateway_port}"
-        stack.enter_context(server_process(["-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
-                                            "--reply", "Noted; continuing with the next step.",
-                                            "--tool-call",
-                                            '<tool_call>{"name": "shell", "arguments": {"cmd": "make test"}}</tool_call>'],
-                                           f"{engine}/health", work / "engine.log"))
-        stack.enter_context(server_process(
-            ["-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine", engine,
-             "--port", str(gateway_port), "--bootstrap-servers", kafka], f"{gateway}/health", work / "gateway.log"))
+        stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port",
+                                     str(engine_port), "--reply", "Noted; continuing with the next step.",
+                                     "--tool-call",
+                                     '<tool_call>{"name": "shell", "arguments": {"cmd": "make test"}}</tool_call>'],
+                                    url=f"{engine}/health", log=work / "engine.log", stop_timeout=10))
+        stack.enter_context(running(
+            [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine", engine,
+             "--port", str(gateway_port), "--bootstrap-servers", kafka],
+            url=f"{gateway}/health", log=work / "gateway.log", stop_timeout=10))
         run = uuid.uuid4().hex[:8]  # a given cluster may hold other groups: this run's records carry its id
-        stack.enter_context(server_process(
-            ["-c", "from forge_stream.cli import main; main()", "processors", "run", "--bootstrap-servers", kafka,
-             "--data-dir", str(work / "processors"), "--group-timeout-s", "3600", "--app-id", f"bench-long-{run}",
-             "--offset-reset", "latest", "--claim-over-bytes", str(claim_over_bytes)], None,
-            work / "processors.log"))
-        _wait_ready(work / "processors.log")
+        log = work / "processors.log"
+        stack.enter_context(running(  # ready once assigned with its table restored: it starts at the topics' end
+            [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
+             "--bootstrap-servers", kafka, "--data-dir", str(work / "processors"), "--group-timeout-s", "3600",
+             "--app-id", f"bench-long-{run}", "--offset-reset", "latest", "--claim-over-bytes", str(claim_over_bytes)],
+            name="processors", check=lambda: "Worker]: Ready" in log.read_text(errors="replace"), log=log,
+            timeout=180, stop_timeout=10))
         group = f"long-{turns}-{run}"
         agents, finished_ms = _group(gateway, engine, kafka, group, sessions, turns, resets, append_tokens, progress)
         schema, record, written_ms = _wait_sample(kafka, group, timeout_s=600)

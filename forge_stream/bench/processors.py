@@ -9,8 +9,8 @@ Reports groups per second (first event sent to last sample read) and the latency
 
 from __future__ import annotations
 
+import itertools
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -18,11 +18,11 @@ import time
 import uuid
 from pathlib import Path
 
-from confluent_kafka import OFFSET_END, Consumer, TopicPartition
-
+from forge_stream import proc
 from forge_stream.bench import bench_kafka
-from forge_stream.events import decode, now_ms
+from forge_stream.events import now_ms
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.kafka.reader import Tail
 from forge_stream.processors.synthetic import group_events
 from forge_stream.topics import TOPICS
 
@@ -41,19 +41,15 @@ class _Samples:
     record's CreateTime, stamped by the worker's producer, so arrival does not depend on when we poll)."""
 
     def __init__(self, bootstrap: str):
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
-                                  "enable.auto.commit": False})
-        self.consumer.assign([TopicPartition(TOPICS.samples.name, p, OFFSET_END)
-                              for p in range(TOPICS.samples.partitions)])
+        self.tail = Tail(bootstrap, TOPICS.samples)
         self.arrived: dict[str, float] = {}
 
     def wait_for(self, group_ids: set[str], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not group_ids <= self.arrived.keys() and time.monotonic() < deadline:
-            msg = self.consumer.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            self.arrived.setdefault(decode(msg.value())[1]["group_id"], msg.timestamp()[1] / 1000)
+            event = self.tail.poll(0.2)
+            if event is not None:
+                self.arrived.setdefault(event.record["group_id"], event.timestamp_ms / 1000)
         return group_ids <= self.arrived.keys()
 
 
@@ -88,21 +84,23 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
     acked: dict[str, float] = {}
     lock = threading.Lock()
     with tempfile.TemporaryDirectory() as data_dir:
-        log = open(Path(data_dir) / "worker.log", "wb")
-        worker = subprocess.Popen(
+        worker = proc.start_process(
             [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
              "-b", bootstrap, "--data-dir", data_dir, "--app-id", f"bench-processors-{run_id}",
              "--offset-reset", "latest", "-l", "warning"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+            Path(data_dir) / "worker.log", cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        probes = itertools.count()
+
+        def probe() -> bool:
+            """Whether a probe group comes through (the worker has its partitions and runs)."""
+            gid = f"bench-{run_id}-probe{next(probes)}"
+            _produce(producer, gid, -1, group_size, turns, acked, lock)
+            producer.flush()
+            return samples.wait_for({gid}, 3.0)
+
         try:
-            for probe in range(60):  # until the worker has its partitions and a group comes through
-                gid = f"bench-{run_id}-probe{probe}"
-                _produce(producer, gid, -1, group_size, turns, acked, lock)
-                producer.flush()
-                if samples.wait_for({gid}, 3.0):
-                    break
-            else:
-                raise RuntimeError("the processors worker produced no sample for a minute; see its log")
+            proc.wait_healthy("the processors worker", worker, check=probe, log=Path(data_dir) / "worker.log",
+                              timeout=180, interval=0)
             ids = [f"bench-{run_id}-{i}" for i in range(groups)]
             start = time.time()
             for seq, gid in enumerate(ids):
@@ -113,10 +111,9 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
             if not samples.wait_for(set(ids), timeout_s):
                 raise RuntimeError(f"only {len(set(ids) & samples.arrived.keys())}/{groups} samples arrived")
         finally:
-            worker.terminate()
-            worker.wait(30)
+            proc.stop(worker, 30)
             producer.close()
-            samples.consumer.close()
+            samples.tail.close()
     latencies = [(samples.arrived[g] - acked[g]) * 1000 for g in ids]
     elapsed = max(samples.arrived[g] for g in ids) - start
     return {

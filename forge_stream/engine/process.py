@@ -2,12 +2,10 @@
 
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from forge_stream import proc
 from forge_stream.kafka.broker import free_port
 
 
@@ -26,32 +24,20 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> "EngineProcess":
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "forge_stream.engine", "serve", "--model", self.model,
-             "--port", str(self.port), *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self._proc.returncode} (log: {self.log_path})")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"engine on port {self.port} not healthy after {timeout}s")
+        self._proc = proc.start_process([sys.executable, "-m", "forge_stream.engine", "serve", "--model", self.model,
+                                 "--port", str(self.port), *self.extra_args],
+                                self.log_path or subprocess.DEVNULL)
+        try:
+            proc.wait_healthy(f"the engine on port {self.port}", self._proc, url=f"{self.url}/health",
+                              log=self.log_path, timeout=timeout)
+        except proc.ProcessError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            proc.stop(self._proc, 15)
 
     def __enter__(self) -> "EngineProcess":
         return self.start()

@@ -42,9 +42,9 @@ import logging
 from dataclasses import dataclass, field
 
 import httpx
-from aiokafka import AIOKafkaConsumer
 
-from forge_stream.engine.policy_watch import newest, run_records
+from forge_stream.engine.policy_watch import newest
+from forge_stream.kafka.follow import Follower
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
@@ -168,30 +168,19 @@ async def sync_version(workers: list[VllmWorkerClient], target: dict, settings: 
 
 
 async def follow_policy(bootstrap: str, settings: SyncSettings, on_report=None) -> None:
-    """Run until cancelled. The history up to the end offsets at start is read first and only its newest
-    version is applied; afterwards each batch's newest version is. `on_report(SyncReport)` sees each sync."""
-    consumer = AIOKafkaConsumer(TOPICS.policy.name, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
+    """Run until cancelled (waiting for Kafka first if it does not answer). The history up to the end offsets at
+    start is read first and only its newest version is applied; afterwards each batch's newest version is.
+    `on_report(SyncReport)` sees each sync."""
     current, current_path = settings.initial_version, None
-    try:
-        async with httpx.AsyncClient(timeout=settings.timeout_s) as client:
-            workers = [VllmWorkerClient(url, client) for url in settings.workers]
-            while not consumer.assignment():
-                await consumer.getmany(timeout_ms=50)
-            ends = await consumer.end_offsets(list(consumer.assignment()))
-            await consumer.seek_to_beginning()
-            backlog = []
-            while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
-                backlog += run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
-            pending = backlog
-            while True:
-                target = newest(pending, current, current_path)
-                if target is not None:
-                    report = await sync_version(workers, target, settings)
-                    current, current_path = target["version"], target["checkpoint_uri"]
-                    if on_report is not None:
-                        on_report(report)
-                pending = run_records(await consumer.getmany(timeout_ms=settings.poll_ms), settings.run)
-    finally:
-        await consumer.stop()
+    async with Follower(bootstrap, TOPICS.policy, settings.run, settings.poll_ms) as policy, \
+            httpx.AsyncClient(timeout=settings.timeout_s) as client:
+        workers = [VllmWorkerClient(url, client) for url in settings.workers]
+        pending = await policy.backlog()
+        while True:
+            target = newest(pending, current, current_path)
+            if target is not None:
+                report = await sync_version(workers, target, settings)
+                current, current_path = target["version"], target["checkpoint_uri"]
+                if on_report is not None:
+                    on_report(report)
+            pending = await policy.next()

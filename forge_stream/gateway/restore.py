@@ -18,25 +18,22 @@ lock across replicas: two replicas serving one session at the same time can both
 finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
 both).
 
-The reads are blocking (confluent-kafka); `SessionRestorer` runs them in threads.
+The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-import zlib
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import orjson
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
-from forge_stream.events import DecodeError, decode, now_ms
+from forge_stream.events import now_ms
 from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
@@ -44,101 +41,10 @@ from forge_stream.gateway.sessions import Session, SessionStore, unknown
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import SessionKeys, pending_calls
 from forge_stream.gateway.textspans import METADATA_KEY, load_rule
+from forge_stream.kafka.reader import PartitionReader
 from forge_stream.topics import TOPICS, Topic
 
 log = logging.getLogger(__name__)
-
-
-class KafkaReader:
-    """Reads of one partition at a time, outside any consumer group (nothing is committed), through a small pool
-    of consumers so that concurrent reads do not wait on each other."""
-
-    def __init__(self, bootstrap: str, timeout_s: float = 10.0, size: int = 4):
-        self.bootstrap, self.timeout_s = bootstrap, timeout_s
-        self._idle: queue.LifoQueue[Consumer] = queue.LifoQueue()
-        self._slots = threading.Semaphore(size)
-        self._partitions: dict[str, int] = {}
-
-    @contextmanager
-    def _consumer(self) -> Iterator[Consumer]:
-        with self._slots:
-            try:
-                consumer = self._idle.get_nowait()
-            except queue.Empty:
-                # a fetch past the end waits at the broker up to fetch.wait.max.ms, and holds up the next request
-                # on the connection (an offsets lookup): keep it short
-                consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "forge-gateway-restore",
-                                     "enable.auto.commit": False, "enable.partition.eof": False,
-                                     "fetch.wait.max.ms": 5, "log_level": 0})
-            try:
-                yield consumer
-            finally:
-                self._idle.put(consumer)
-
-    def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
-
-    def partitions(self, topic: Topic) -> int:
-        if topic.name not in self._partitions:
-            with self._consumer() as consumer:
-                found = consumer.list_topics(topic.name, timeout=self.timeout_s).topics[topic.name]
-                if found.error is not None or not found.partitions:
-                    raise KafkaException(found.error)
-                self._partitions[topic.name] = len(found.partitions)
-        return self._partitions[topic.name]
-
-    def partition_of(self, topic: Topic, key: str) -> int:
-        """The partition the producers' partitioner (librdkafka's default, consistent_random: CRC32 of the key)
-        puts `key` in."""
-        return zlib.crc32(key.encode()) % self.partitions(topic)
-
-    def high(self, topic: Topic, partition: int) -> int:
-        with self._consumer() as consumer:
-            return consumer.get_watermark_offsets(TopicPartition(topic.name, partition), timeout=self.timeout_s)[1]
-
-    def offset_at(self, topic: Topic, partition: int, ms: int) -> int:
-        """The first offset with a timestamp at or after `ms` (the end when there is none)."""
-        with self._consumer() as consumer:
-            found = consumer.offsets_for_times([TopicPartition(topic.name, partition, max(ms, 0))],
-                                               timeout=self.timeout_s)[0]
-            if found.offset in (-1, OFFSET_END):
-                return consumer.get_watermark_offsets(TopicPartition(topic.name, partition),
-                                                      timeout=self.timeout_s)[1]
-            return found.offset
-
-    def read(self, topic: Topic, partition: int, start: int, end: int,
-             key: str | None = None) -> list[tuple[int, int, str, dict]]:
-        """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key`, which
-        are the only ones decoded); undecodable records are skipped (the DLQ is the processors' business)."""
-        out: list[tuple[int, int, str, dict]] = []
-        if start >= end:
-            return out
-        wanted = key.encode() if key is not None else None
-        with self._consumer() as consumer:
-            consumer.assign([TopicPartition(topic.name, partition, start)])
-            try:
-                offset = start
-                while offset < end:
-                    msg = consumer.poll(self.timeout_s)
-                    if msg is None:
-                        raise TimeoutError(f"{topic.name}[{partition}] stopped at offset {offset} before {end}")
-                    if msg.error():
-                        continue
-                    offset = msg.offset() + 1
-                    if msg.offset() >= end or (wanted is not None and msg.key() != wanted):
-                        continue
-                    try:
-                        schema, record = decode(msg.value() or b"")
-                    except DecodeError:
-                        continue
-                    out.append((msg.offset(), msg.timestamp()[1], schema, record))
-            finally:
-                consumer.unassign()
-        return out
 
 
 @dataclass
@@ -156,7 +62,7 @@ class SessionDirectory:
     Finished sessions are kept up to `finished_kept`, and sessions started more than `lookback_s` ago not at all,
     the oldest forgotten first."""
 
-    def __init__(self, reader: KafkaReader, lookback_s: float, finished_kept: int):
+    def __init__(self, reader: PartitionReader, lookback_s: float, finished_kept: int):
         self.reader, self.lookback_s, self.finished_kept = reader, lookback_s, finished_kept
         self._entries: dict[str, Entry] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -240,7 +146,7 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
 class SessionEvents:
     """Blocking reads of one session's events, and its state rebuilt from them."""
 
-    def __init__(self, reader: KafkaReader, clock_skew_ms: int):
+    def __init__(self, reader: PartitionReader, clock_skew_ms: int):
         self.reader, self.clock_skew_ms = reader, clock_skew_ms
 
     def _records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
@@ -284,7 +190,7 @@ class SessionRestorer:
 
     def __init__(self, settings: GatewaySettings, store: SessionStore):
         self.settings, self.store = settings, store
-        reader = KafkaReader(settings.bootstrap, settings.ack_timeout_ms / 1000)
+        reader = PartitionReader(settings.bootstrap, settings.ack_timeout_ms / 1000)
         self.directory = SessionDirectory(reader, settings.session_lookback_s, settings.finished_sessions_kept)
         self.events = SessionEvents(reader, settings.clock_skew_ms)
         self._loading: dict[str, asyncio.Future] = {}

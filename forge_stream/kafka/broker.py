@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from forge_stream.proc import ProcessError, start_process, wait_healthy
 from forge_stream.topics import TOPICS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def fetch_jars(cache_dir: Path, echo=print) -> Path:
     echo(f"Fetching Apache Kafka {KAFKA_VERSION} jars with Maven into {libs} (once; later runs use the cache)...")
     cmd = [mvn, "-B", "-ntp", "-f", str(INFRA_DIR / "pom.xml"), "dependency:copy-dependencies",
            f"-DoutputDirectory={libs}", "-DincludeScope=runtime"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_process(cmd, subprocess.PIPE, text=True)
     tail: list[str] = []
     for line in proc.stdout:
         tail = (tail + [line.rstrip()])[-40:]
@@ -157,9 +158,8 @@ class LocalBroker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._render()
         self.format(libs)
-        log = open(self.log_file, "ab")
-        self._proc = subprocess.Popen(self._java(libs, "kafka.Kafka", str(self.properties)), stdout=log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = start_process(self._java(libs, "kafka.Kafka", str(self.properties)), self.log_file,
+                                   new_session=True)
         self.pid_file.write_text(str(self._proc.pid))
         if wait:
             self.wait_ready(timeout, self._proc)
@@ -179,21 +179,19 @@ class LocalBroker:
     def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
         from confluent_kafka.admin import AdminClient
 
-        deadline = time.monotonic() + timeout
         admin = AdminClient({"bootstrap.servers": self.config.bootstrap, "log_level": 0})
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise BrokerError(f"the broker exited with {proc.returncode}; see {self.log_file}:\n"
-                                  + _tail(self.log_file))
+
+        def answers() -> bool:
             try:
-                metadata = admin.list_topics(timeout=2)
-                if metadata.brokers:
-                    return
+                return bool(admin.list_topics(timeout=2).brokers)
             except Exception:  # not up yet
-                pass
-            time.sleep(0.3)
-        raise BrokerError(f"the broker at {self.config.bootstrap} did not answer within {timeout:.0f}s; "
-                          f"see {self.log_file}:\n" + _tail(self.log_file))
+                return False
+
+        try:
+            wait_healthy(f"the broker at {self.config.bootstrap}", proc, check=answers, log=self.log_file,
+                         timeout=timeout, interval=0.3)
+        except ProcessError as exc:
+            raise BrokerError(str(exc)) from None
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop cleanly (SIGTERM, then SIGKILL after `timeout`); returns whether one was running."""
@@ -271,13 +269,6 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use: python -m forge_stream.kafka.broker DATA_DIR

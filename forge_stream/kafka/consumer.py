@@ -1,9 +1,17 @@
-"""A consumer that decodes catalog events and routes what it cannot decode to `forge.dlq`, then goes on.
+"""The package's group consumers, and the one path by which any of them commits offsets.
+
+`DecodingConsumer` decodes catalog events and routes what it cannot decode to `forge.dlq`, then goes on.
 
 Errors are data: a record with a bad frame, an unknown schema id, a corrupt body or a schema the topic does not
 carry becomes a DeadLetter (original bytes, topic, partition, offset, error, who rejected it). The dead letter is
 acknowledged by Kafka before the consumer moves past it, so nothing is lost. While Kafka is away, polls come back
 empty and commits are retried until they go through: a consumer waits an outage out rather than crash.
+
+Commits. Every consumer that commits (the windowed FIFO, the Parquet and TensorBoard sinks, a new run's start)
+keeps its positions in `Watermarks` and commits through `commit_patiently`: per partition, up to the first
+record it still holds (read, not yet settled), never backwards, and only what moved since the last commit.
+`AssignedConsumer` reads every partition of some topics from a group's committed offsets without joining the
+group (no rebalancing: the TensorBoard sink); `commit_end_offsets` and `has_committed_offsets` start a group.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
@@ -31,6 +39,12 @@ class Event:
     schema: str
     record: dict
     timestamp_ms: int
+
+
+def event_of(msg, schema: str, record: dict) -> Event:
+    """The Event of a polled Kafka message and its decoded record."""
+    key = msg.key().decode(errors="replace") if msg.key() is not None else None
+    return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
 
 
 def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
@@ -90,14 +104,57 @@ def commit_patiently(consumer: Consumer, offsets: list[TopicPartition], name: st
             time.sleep(1.0)
 
 
+class Watermarks:
+    """Per partition, how far a consumer may commit: past every record it read, up to (not including) the first
+    record it still holds (read, not yet settled: a group not trained yet, a row not written yet). A commit sends
+    only the partitions whose mark moved, and a refused one (the member must rejoin) goes with the next."""
+
+    def __init__(self):
+        self.read: dict[tuple[str, int], int] = {}  # per partition: the next offset to read
+        self._held: dict[tuple[str, int], set[int]] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+
+    def moved_to(self, topic: str, partition: int, position: int) -> None:
+        """The consumer's position on the partition is `position` (it only moves forward)."""
+        tp = (topic, partition)
+        self.read[tp] = max(self.read.get(tp, 0), position)
+
+    def passed(self, topic: str, partition: int, offset: int) -> None:
+        """The consumer read past this record."""
+        self.moved_to(topic, partition, offset + 1)
+
+    def hold(self, topic: str, partition: int, offset: int) -> None:
+        """No commit on the partition may pass this record until it is released."""
+        self._held.setdefault((topic, partition), set()).add(offset)
+
+    def release(self, topic: str, partition: int, offset: int) -> None:
+        self._held[(topic, partition)].discard(offset)
+
+    def due(self) -> dict[tuple[str, int], int]:
+        """The offsets to commit now: per partition, its first held record (or its position), if it moved."""
+        due = {}
+        for tp, end in self.read.items():
+            held = self._held.get(tp)
+            mark = min(min(held), end) if held else end
+            if mark > self._committed.get(tp, 0):
+                due[tp] = mark
+        return due
+
+    def commit(self, consumer: Consumer, name: str) -> None:
+        """Commit what is due through `commit_patiently`."""
+        due = self.due()
+        if due and commit_patiently(consumer, [TopicPartition(t, p, o) for (t, p), o in due.items()], name):
+            self._committed.update(due)
+
+
 class DecodingConsumer:
-    """Poll decoded events from catalog topics; commits are explicit (`commit(event)`)."""
+    """Poll decoded events from catalog topics (subscribed, in a consumer group). Every record polled, event or
+    dead letter, moves `marks`; commits are explicit (`commit()`: what `marks` allows)."""
 
     def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
-                 producer: EventProducer | None = None,
-                 on_dead_letter: Callable[[str, int, int], None] | None = None, **config):
+                 producer: EventProducer | None = None, **config):
         self.name = name
-        self._on_dead_letter = on_dead_letter
+        self.marks = Watermarks()
         self._topics = {t.name: t for t in topics}
         self._consumer = Consumer(consumer_config(bootstrap, group_id, **config))
         self._consumer.subscribe(list(self._topics))
@@ -127,8 +184,8 @@ class DecodingConsumer:
             except DecodeError as exc:
                 self._reject(msg, str(exc))
                 continue
-            key = msg.key().decode(errors="replace") if msg.key() is not None else None
-            return Event(msg.topic(), msg.partition(), msg.offset(), key, schema, record, msg.timestamp()[1])
+            self.marks.passed(msg.topic(), msg.partition(), msg.offset())
+            return event_of(msg, schema, record)
 
     @property
     def assigned(self) -> bool:
@@ -138,16 +195,137 @@ class DecodingConsumer:
     def _reject(self, msg, error: str) -> None:
         record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)
         self._producer.send_sync(TOPICS.dlq, msg.topic(), record)
+        self.marks.passed(msg.topic(), msg.partition(), msg.offset())  # settled: acknowledged on forge.dlq
         self.dead_letters += 1
-        if self._on_dead_letter is not None:
-            self._on_dead_letter(msg.topic(), msg.partition(), msg.offset())
 
-    def commit(self, positions: dict[tuple[str, int], int]) -> None:
-        """Commit each (topic, partition) up to, not including, its offset: the next record to read there (waiting
-        while Kafka is away)."""
-        commit_patiently(self._consumer, [TopicPartition(t, p, o) for (t, p), o in positions.items()], self.name)
+    def commit(self) -> None:
+        """Commit what `marks` allows (waiting while Kafka is away)."""
+        self.marks.commit(self._consumer, self.name)
 
     def close(self) -> None:
         self._consumer.close()
         if self._owns_producer:
             self._producer.close()
+
+
+RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
+COORDINATOR_STARTING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                        KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TRANSPORT}
+
+
+def _retrying(call, codes: set, attempts: int = 50):
+    """`call()`, retried every 0.2 s while it fails with one of `codes` (a fresh broker or partition settling)."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except KafkaException as exc:
+            if exc.args[0].code() not in codes or attempt == attempts - 1:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+def low_high(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
+    """Low and high offsets, retrying while a freshly created partition has no leader yet."""
+    return _retrying(lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10),
+                     RETRIABLE)
+
+
+def offset_at_time(consumer: Consumer, topic: str, partition: int, ms: int, timeout: float = 10.0) -> int:
+    """The first offset with a timestamp at or after `ms` (the partition's end when there is none)."""
+    found = consumer.offsets_for_times([TopicPartition(topic, partition, max(ms, 0))], timeout=timeout)[0]
+    if found.offset in (-1, OFFSET_END):
+        return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)[1]
+    return found.offset
+
+
+def _committed(consumer: Consumer, partitions: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    """The group's committed offsets (-1 where none), retrying while a fresh broker elects the coordinator."""
+    found = _retrying(lambda: consumer.committed(partitions, timeout=10), COORDINATOR_STARTING)
+    return {(tp.topic, tp.partition): tp.offset for tp in found}
+
+
+def _partitions(topics: list[Topic]) -> list[TopicPartition]:
+    return [TopicPartition(t.name, p) for t in topics for p in range(t.partitions)]
+
+
+def has_committed_offsets(bootstrap: str, group_id: str, topics: list[Topic]) -> bool:
+    """Whether the group committed an offset on any partition of `topics`."""
+    consumer = Consumer(consumer_config(bootstrap, group_id))
+    try:
+        return any(offset >= 0 for offset in _committed(consumer, _partitions(topics)).values())
+    finally:
+        consumer.close()
+
+
+def commit_end_offsets(bootstrap: str, group_id: str, topics: list[Topic]) -> None:
+    """Start the group at the current end of `topics`: what came before is not its to read."""
+    consumer = Consumer(consumer_config(bootstrap, group_id))
+    try:
+        offsets = [TopicPartition(tp.topic, tp.partition, low_high(consumer, tp.topic, tp.partition)[1])
+                   for tp in _partitions(topics)]
+        commit_patiently(consumer, offsets, group_id)
+    finally:
+        consumer.close()
+
+
+class AssignedConsumer:
+    """Every partition of `topics`, assigned (no group membership, so no rebalancing), from the group's committed
+    offsets (or from each partition's beginning); polls decoded events. `ends` are the partitions' ends when it
+    started; `marks.read` its positions; `commit()` commits them. A record it cannot decode goes to
+    `on_undecodable(topic, partition, offset, error)` and is passed over."""
+
+    def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
+                 from_beginning: bool = False,
+                 on_undecodable: Callable[[str, int, int, str], None] | None = None):
+        self.name = name
+        self.marks = Watermarks()
+        self.ends: dict[tuple[str, int], int] = {}
+        self._topics = {t.name: t for t in topics}
+        self._on_undecodable = on_undecodable
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id,
+                                   "enable.auto.commit": False, "log_level": 0})
+        partitions = _partitions(topics)
+        committed = {} if from_beginning else _committed(self._consumer, partitions)
+        for tp in partitions:
+            low, high = low_high(self._consumer, tp.topic, tp.partition)
+            start = committed.get((tp.topic, tp.partition), -1)
+            self.marks.moved_to(tp.topic, tp.partition, start if start >= low else low)
+            self.ends[(tp.topic, tp.partition)] = high
+        self._consumer.assign([TopicPartition(t, p, offset) for (t, p), offset in self.marks.read.items()])
+
+    def at_end(self) -> bool:
+        """Whether it read up to the ends the partitions had when it started."""
+        return all(self.marks.read[tp] >= end for tp, end in self.ends.items())
+
+    def poll(self, timeout: float) -> Event | None:
+        """The next decodable event, or None."""
+        msg = self._consumer.poll(timeout)
+        if msg is None:
+            self._catch_up()
+            return None
+        if msg.error():
+            return None
+        self.marks.passed(msg.topic(), msg.partition(), msg.offset())
+        try:
+            schema, record = decode(msg.value() or b"")
+            if schema not in self._topics[msg.topic()].value_schemas:
+                raise DecodeError(f"{msg.topic()} does not carry {schema}")
+        except DecodeError as exc:
+            if self._on_undecodable is not None:
+                self._on_undecodable(msg.topic(), msg.partition(), msg.offset(), str(exc))
+            return None
+        return event_of(msg, schema, record)
+
+    def _catch_up(self) -> None:
+        """Move past what no message stands for (transaction markers), as the consumer's own position says."""
+        for tp in self._consumer.position([TopicPartition(t, p) for t, p in self.marks.read]):
+            if tp.offset >= 0:
+                self.marks.moved_to(tp.topic, tp.partition, tp.offset)
+
+    def commit(self) -> None:
+        self.marks.commit(self._consumer, self.name)
+
+    def close(self) -> None:
+        self._consumer.close()

@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import time
-
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer
 
 from forge_stream.events import DecodeError, decode
 from forge_stream.events.prompts import whole_completions
-from forge_stream.kafka.consumer import Event
+from forge_stream.kafka.consumer import Event, event_of, low_high, offset_at_time
+from forge_stream.kafka.reader import records_between
 from forge_stream.topics import TOPICS, Topic
 
 
@@ -30,37 +29,19 @@ class Slice:
     end_offsets: dict[int, int] | None = None
 
 
-RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
-
-
-def watermarks(consumer: Consumer, topic: str, partition: int, attempts: int = 50) -> tuple[int, int]:
-    """Low and high offsets, retrying while a freshly created partition has no leader yet."""
-    for attempt in range(attempts):
-        try:
-            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        except KafkaException as exc:
-            if exc.args[0].code() not in RETRIABLE or attempt == attempts - 1:
-                raise
-            time.sleep(0.2)
-    raise AssertionError("unreachable")
-
-
 def _bounds(consumer: Consumer, topic: Topic, where: Slice) -> dict[int, tuple[int, int]]:
     bounds = {}
     for p in range(topic.partitions):
-        low, high = watermarks(consumer, topic.name, p)
+        low, high = low_high(consumer, topic.name, p)
         start, end = low, high
         if where.start_offsets is not None:
             start = max(low, where.start_offsets.get(p, low))
         elif where.start_ms is not None:
-            found = consumer.offsets_for_times([TopicPartition(topic.name, p, where.start_ms)], timeout=10)[0]
-            start = high if found.offset in (-1, OFFSET_END) else found.offset
+            start = offset_at_time(consumer, topic.name, p, where.start_ms)
         if where.end_offsets is not None:
             end = min(high, where.end_offsets.get(p, high))
         elif where.end_ms is not None:
-            found = consumer.offsets_for_times([TopicPartition(topic.name, p, where.end_ms)], timeout=10)[0]
-            end = high if found.offset in (-1, OFFSET_END) else found.offset
+            end = offset_at_time(consumer, topic.name, p, where.end_ms)
         if start < end:
             bounds[p] = (start, end)
     return bounds
@@ -72,25 +53,14 @@ def read_slice(bootstrap: str, topic: Topic, where: Slice, errors: list | None =
                          "enable.auto.commit": False, "log_level": 0})
     try:
         for partition, (start, end) in sorted(_bounds(consumer, topic, where).items()):
-            consumer.assign([TopicPartition(topic.name, partition, start)])
-            offset = start
-            while offset < end:
-                msg = consumer.poll(10)
-                if msg is None:
-                    raise TimeoutError(f"{topic.name}[{partition}] stopped at offset {offset} before {end}")
-                if msg.error():
-                    continue
-                offset = msg.offset() + 1
-                if msg.offset() >= end:
-                    break
+            for msg in records_between(consumer, topic.name, partition, start, end, 10):
                 try:
                     schema, record = decode(msg.value() or b"")
                 except DecodeError as exc:
                     if errors is not None:
                         errors.append((partition, msg.offset(), str(exc)))
                     continue
-                key = msg.key().decode(errors="replace") if msg.key() is not None else None
-                yield Event(topic.name, partition, msg.offset(), key, schema, record, msg.timestamp()[1])
+                yield event_of(msg, schema, record)
     finally:
         consumer.close()
 
@@ -118,21 +88,11 @@ def topic_bytes(bootstrap: str, key_contains: bytes | None = None, include_inter
                 continue
             out[name] = 0
             for partition in meta.partitions:
-                start, end = watermarks(consumer, name, partition)
-                if start >= end:
-                    continue
-                consumer.assign([TopicPartition(name, partition, start)])
-                while True:
-                    msg = consumer.poll(10)
-                    if msg is None:
-                        raise TimeoutError(f"{name}[{partition}] stopped before offset {end}")
-                    if msg.error():
-                        continue
+                start, end = low_high(consumer, name, partition)
+                for msg in records_between(consumer, name, partition, start, end, 10):
                     key = msg.key() or b""
                     if key_contains is None or key_contains in key:
                         out[name] += len(key) + len(msg.value() or b"")
-                    if msg.offset() + 1 >= end:
-                        break
     finally:
         consumer.close()
     return out

@@ -34,12 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Protocol
 
-from confluent_kafka import Consumer, TopicPartition
-
 from forge_stream.events import deterministic_id, encode, now_ms
 from forge_stream.events.claims import ClaimError, redeem
-from forge_stream.kafka.consumer import DecodingConsumer, Event, consumer_config, dead_letter
-from forge_stream.kafka.history import Slice, read_slice, watermarks
+from forge_stream.kafka.consumer import DecodingConsumer, Event, commit_end_offsets, dead_letter
+from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors.groups import InvalidEvent, validate as check_event
 from forge_stream.scheduler.window import WindowedFifo, WindowSpec
@@ -101,13 +99,7 @@ def start_at_end(settings: SchedulerSettings) -> None:
 
     Commits the end offsets for the scheduler's consumer group, which has no offsets yet.
     """
-    consumer = Consumer(consumer_config(settings.bootstrap, settings.name))
-    try:
-        offsets = [TopicPartition(t.name, p, watermarks(consumer, t.name, p)[1])
-                   for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
-        consumer.commit(offsets=offsets, asynchronous=False)
-    finally:
-        consumer.close()
+    commit_end_offsets(settings.bootstrap, settings.name, [TOPICS.tasks, TOPICS.samples])
 
 
 @dataclass(frozen=True)
@@ -152,14 +144,12 @@ class WindowedConsumer:
         self._core = WindowedFifo(None)
         self._producer = producer or EventProducer(settings.bootstrap)
         self._source = DecodingConsumer(settings.bootstrap, settings.name, [TOPICS.tasks, TOPICS.samples],
-                                        name=settings.name, producer=self._producer, on_dead_letter=self._passed)
+                                        name=settings.name, producer=self._producer)
+        self._marks = self._source.marks  # a record is held there until its group retires
         self._tasks: dict[int, Event] = {}
         self._seq_of: dict[str, int] = {}
         self._samples: dict[int, Event] = {}
-        self._unsettled: dict[tuple[str, int], set[int]] = {}
-        self._records_of: dict[str, list[tuple[tuple[str, int], int]]] = {}
-        self._seen: dict[tuple[str, int], int] = {}
-        self._committed: dict[tuple[str, int], int] = {}
+        self._records_of: dict[str, list[tuple[str, int, int]]] = {}
         self._caught_up = False
 
     def poll(self, timeout: float) -> bool:
@@ -168,13 +158,11 @@ class WindowedConsumer:
         if event is None:
             self._caught_up = self._caught_up or (timeout > 0 and self._source.assigned)
             return False
-        self._passed(event.topic, event.partition, event.offset)
         group = event.record["group_id"]
         if group in self.retired:
             return True
-        tp = (event.topic, event.partition)
-        self._unsettled.setdefault(tp, set()).add(event.offset)
-        self._records_of.setdefault(group, []).append((tp, event.offset))
+        self._marks.hold(event.topic, event.partition, event.offset)
+        self._records_of.setdefault(group, []).append((event.topic, event.partition, event.offset))
         if event.schema == "Task":
             self._queue(event)
         elif event.schema == "GroupSkipped":
@@ -223,24 +211,11 @@ class WindowedConsumer:
 
     def commit(self) -> None:
         """Commit each partition up to (not including) its first record whose group is not retired."""
-        due = {}
-        for tp, end in self._seen.items():
-            pending = self._unsettled.get(tp)
-            mark = min(pending) if pending else end
-            if mark > self._committed.get(tp, 0):
-                due[tp] = mark
-        if due:
-            self._source.commit(due)
-            self._committed.update(due)
+        self._source.commit()
 
     def close(self) -> None:
         self._source.close()
         self._producer.close()
-
-    def _passed(self, topic: str, partition: int, offset: int) -> None:
-        """The consumer read past this record (an event, or a dead letter that is settled already)."""
-        tp = (topic, partition)
-        self._seen[tp] = max(self._seen.get(tp, 0), offset + 1)
 
     def _queue(self, task: Event) -> None:
         """A Task joins the queue, unless the processors would reject it (then it is dead-lettered and skipped)."""
@@ -349,8 +324,8 @@ class WindowedConsumer:
             self._core.skip(seq)
             self._tasks.pop(seq, None)
             self._samples.pop(seq, None)
-        for tp, offset in self._records_of.pop(group, []):
-            self._unsettled[tp].discard(offset)
+        for topic, partition, offset in self._records_of.pop(group, []):
+            self._marks.release(topic, partition, offset)
 
 
 def step_record(run: str, step: int, batch: Batch, metrics: dict) -> dict:

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, TopicPartition
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.events import deterministic_id, now_ms
 from forge_stream.kafka.producer import EventProducer
-from forge_stream.kafka.consumer import consumer_config
+from forge_stream.kafka.consumer import has_committed_offsets
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings, WindowedConsumer, recover, start_at_end
 from forge_stream.topics import TOPICS
 from forge_stream.trainer.distributed import DataParallel, shard_model
@@ -189,15 +188,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def has_committed_offsets(settings: SchedulerSettings) -> bool:
-    consumer = Consumer(consumer_config(settings.bootstrap, settings.name))
-    try:
-        partitions = [TopicPartition(t.name, p) for t in (TOPICS.tasks, TOPICS.samples) for p in range(t.partitions)]
-        return any(tp.offset >= 0 for tp in consumer.committed(partitions, timeout=10))
-    finally:
-        consumer.close()
-
-
 class LiveBatches:
     """The windowed FIFO consumer as the loop's BatchSource: a batch as soon as the window offers a full one, or
     what there is after `wait_s`, waiting as long as it takes; `ack` publishes the TrainStep and commits."""
@@ -251,7 +241,8 @@ def run_trainer(settings: TrainerSettings, steps: int | None = None, progress=pr
         follow(settings, ranks)
         return []
     settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    if settings.from_now and not has_committed_offsets(settings.scheduler):
+    if settings.from_now and not has_committed_offsets(settings.bootstrap, settings.scheduler.name,
+                                                       [TOPICS.tasks, TOPICS.samples]):
         start_at_end(settings.scheduler)
     producer = EventProducer(settings.bootstrap, patient=True)  # a Kafka outage pauses training
     recovered = recover(settings.scheduler)

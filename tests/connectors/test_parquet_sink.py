@@ -81,7 +81,7 @@ def test_a_rewrite_after_a_crash_replaces_files_whatever_the_flush_timing(kafka_
     sink = ParquetSink(settings)
     _read_up(sink, run_id, 12)
 
-    def crash(positions):
+    def crash():
         raise Crash("killed between writing the files and committing their offsets")
 
     sink.consumer.commit = crash

@@ -26,6 +26,7 @@ PINNED = {
     ("forge.events.Task", 1): "614b9c7165f22c98b753a948a46c4c6171124e2450e1096744db93dd94b5c90e",
     ("forge.events.ToolSpan", 1): "3c71316efb46cca4789376d2f0fe9bec60f14219b8979d7dd1be937c5dabf3cd",
     ("forge.events.ToolSpan", 2): "8b6c89134b91fa95725ae3a5b805055a94216e3d1f47c67450added661d0fde8",
+    ("forge.events.SampleClaim", 1): "560ad099f01b51f5382f270219fa5dae85241a814aff55b084e80c9792ad1f73",
     ("forge.events.TrainSample", 1): "bbfce5a609ae429d26b204647201823b97917e719707bc04436c3565c477072a",
     ("forge.events.TrainSample", 2): "df5902a4569ccf150aa4aeaf3c35dc74d774f654cfef04091d23faf28531dac2",
     ("forge.events.TrainStep", 1): "79e57c0dc8e159429f9560b53d98106d817ba3916ce4fad9fc4f4176ed824147",

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -18,6 +17,7 @@ from openai import OpenAI
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
+from forge_stream.proc import running
 from forge_stream.topics import TOPICS
 
 from gateway_support import ADMIN, open_session
@@ -148,26 +148,11 @@ def test_a_restarted_gateway_continues_its_open_sessions_and_keeps_finished_ones
 def gateway_process(engine: str, bootstrap: str, *options: str):
     """`forge-stream gateway serve` as a real process; yields (its URL, its Popen)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine", engine,
-                             "--port", str(port), "--bootstrap-servers", bootstrap, *options],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the gateway exited with {proc.returncode}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
+    with running([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine", engine, "--port", str(port),
+                  "--bootstrap-servers", bootstrap, *options], name="the gateway", url=f"{url}/health",
+                 log=subprocess.DEVNULL, timeout=120, stop_timeout=60) as proc:
         yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=60)
 
 
 def test_two_replica_processes_alternate_one_session_and_one_is_killed(kafka_bootstrap, engine, run_id):

@@ -65,7 +65,7 @@ def test_fold_reports_a_turn_two_requests_recorded():
 
 
 class _Log:
-    """forge.sessions as a list per partition, read as KafkaReader reads it (the Kafka edge of the directory)."""
+    """forge.sessions as a list per partition, read as PartitionReader reads it (the Kafka edge of the directory)."""
 
     def __init__(self):
         self.parts: list[list[tuple[int, str, dict]]] = [[], []]

@@ -39,7 +39,7 @@ def test_bad_records_go_to_the_dlq_and_consumption_goes_on(kafka_bootstrap, run_
         event = consumer.poll(1.0)
         if event is not None and event.record["group_id"] == run_id:
             got.append(event.record["event_id"])
-            consumer.commit({(event.topic, event.partition): event.offset + 1})
+            consumer.commit()
     consumer.close()
     assert got == sent
 

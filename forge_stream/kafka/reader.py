@@ -1,0 +1,139 @@
+"""Reads of partitions outside any consumer group: nothing is committed, live groups are untouched.
+
+`PartitionReader` reads one partition's records between two offsets (or from a timestamp), through a small pool of
+consumers so that concurrent reads do not wait on each other: what a gateway replica reads to rebuild a session
+(forge_stream.gateway.restore). `Tail` reads what is appended to a topic from the moment it is made (the benchmarks
+time records by it). Slices of history for replays are `forge_stream.kafka.history`'s.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+
+from forge_stream.events import DecodeError, decode
+from forge_stream.kafka.consumer import Event, event_of, offset_at_time
+from forge_stream.topics import Topic
+
+
+class PartitionReader:
+    """Reads of one partition at a time, outside any consumer group (nothing is committed), through a small pool
+    of consumers so that concurrent reads do not wait on each other."""
+
+    def __init__(self, bootstrap: str, timeout_s: float = 10.0, size: int = 4):
+        self.bootstrap, self.timeout_s = bootstrap, timeout_s
+        self._idle: queue.LifoQueue[Consumer] = queue.LifoQueue()
+        self._slots = threading.Semaphore(size)
+        self._partitions: dict[str, int] = {}
+
+    @contextmanager
+    def _consumer(self) -> Iterator[Consumer]:
+        with self._slots:
+            try:
+                consumer = self._idle.get_nowait()
+            except queue.Empty:
+                # a fetch past the end waits at the broker up to fetch.wait.max.ms, and holds up the next request
+                # on the connection (an offsets lookup): keep it short
+                consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "forge-gateway-restore",
+                                     "enable.auto.commit": False, "enable.partition.eof": False,
+                                     "fetch.wait.max.ms": 5, "log_level": 0})
+            try:
+                yield consumer
+            finally:
+                self._idle.put(consumer)
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+    def partitions(self, topic: Topic) -> int:
+        if topic.name not in self._partitions:
+            with self._consumer() as consumer:
+                found = consumer.list_topics(topic.name, timeout=self.timeout_s).topics[topic.name]
+                if found.error is not None or not found.partitions:
+                    raise KafkaException(found.error)
+                self._partitions[topic.name] = len(found.partitions)
+        return self._partitions[topic.name]
+
+    def partition_of(self, topic: Topic, key: str) -> int:
+        """The partition the producers' partitioner (librdkafka's default, consistent_random: CRC32 of the key)
+        puts `key` in."""
+        return zlib.crc32(key.encode()) % self.partitions(topic)
+
+    def high(self, topic: Topic, partition: int) -> int:
+        with self._consumer() as consumer:
+            return consumer.get_watermark_offsets(TopicPartition(topic.name, partition), timeout=self.timeout_s)[1]
+
+    def offset_at(self, topic: Topic, partition: int, ms: int) -> int:
+        """The first offset with a timestamp at or after `ms` (the end when there is none)."""
+        with self._consumer() as consumer:
+            return offset_at_time(consumer, topic.name, partition, ms, self.timeout_s)
+
+    def read(self, topic: Topic, partition: int, start: int, end: int,
+             key: str | None = None) -> list[tuple[int, int, str, dict]]:
+        """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key`, which
+        are the only ones decoded); undecodable records are skipped (the DLQ is the processors' business)."""
+        out: list[tuple[int, int, str, dict]] = []
+        if start >= end:
+            return out
+        wanted = key.encode() if key is not None else None
+        with self._consumer() as consumer:
+            try:
+                for msg in records_between(consumer, topic.name, partition, start, end, self.timeout_s):
+                    if wanted is not None and msg.key() != wanted:
+                        continue
+                    try:
+                        schema, record = decode(msg.value() or b"")
+                    except DecodeError:
+                        continue
+                    out.append((msg.offset(), msg.timestamp()[1], schema, record))
+            finally:
+                consumer.unassign()
+        return out
+
+
+def records_between(consumer: Consumer, topic: str, partition: int, start: int, end: int,
+                    timeout_s: float) -> Iterator:
+    """The messages at offsets [start, end) of one partition, read with `consumer` (assigned to it here)."""
+    consumer.assign([TopicPartition(topic, partition, start)])
+    offset = start
+    while offset < end:
+        msg = consumer.poll(timeout_s)
+        if msg is None:
+            raise TimeoutError(f"{topic}[{partition}] stopped at offset {offset} before {end}")
+        if msg.error():
+            continue
+        offset = msg.offset() + 1
+        if msg.offset() < end:
+            yield msg
+
+
+class Tail:
+    """A topic's records appended after it was made (every partition from its end offset), decoded; undecodable
+    records are passed over."""
+
+    def __init__(self, bootstrap: str, topic: Topic):
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-tail",
+                                   "enable.auto.commit": False, "log_level": 0})
+        self._consumer.assign([TopicPartition(topic.name, p, OFFSET_END) for p in range(topic.partitions)])
+
+    def poll(self, timeout: float) -> Event | None:
+        msg = self._consumer.poll(timeout)
+        if msg is None or msg.error():
+            return None
+        try:
+            schema, record = decode(msg.value() or b"")
+        except DecodeError:
+            return None
+        return event_of(msg, schema, record)
+
+    def close(self) -> None:
+        self._consumer.close()
