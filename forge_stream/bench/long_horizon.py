@@ -140,22 +140,48 @@ def _wait_sample(kafka: str, group: str, timeout_s: float) -> tuple[str, dict, i
 
 
 def _train(sample: dict, work: Path) -> dict:
-    """One tree-packed CISPO step on the tiny model (max positions raised to the longest path)."""
+    """One tree-packed CISPO step on the tiny model, in a child process (its peak memory is measured, and running
+    out of memory there is a result, not the end of the benchmark)."""
+    import multiprocessing
+
+    from forge_stream.events import encode
+
+    path = work / "sample.avro"
+    path.write_bytes(encode("TrainSample", sample))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_train_child, args=(str(path), str(work / "model"), results))
+    start = time.perf_counter()
+    child.start()
+    child.join()
+    out = results.get() if child.exitcode == 0 else {
+        "trained": False, "train_error": f"the training step's process ended with {child.exitcode}"
+                                         f"{' (killed: out of memory?)' if child.exitcode == -9 else ''}"}
+    out["train_process_s"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def _train_child(sample_path: str, model_dir: str, results) -> None:
+    import resource
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+    from forge_stream.events import decode
     from forge_stream.trainer.step import StepConfig, build_optimizer, train_step
 
+    _, sample = decode(Path(sample_path).read_bytes())
     longest = max(ref["length"] for ref in sample["sequences"])
-    init_tiny_model(work / "model", TinyModelSpec(max_position_embeddings=max(2048, 1 << longest.bit_length())))
-    model = AutoModelForCausalLM.from_pretrained(work / "model", torch_dtype=torch.float32)
+    init_tiny_model(Path(model_dir), TinyModelSpec(max_position_embeddings=max(2048, 1 << longest.bit_length())))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = StepConfig(lr=1e-5)
     start = time.perf_counter()
     stats = train_step(model, build_optimizer(model, config), [sample], config, policy_version=0)
-    return {"train_step_s": round(time.perf_counter() - start, 1), "loss": stats.loss,
-            "grad_norm": stats.grad_norm, "micro_batches": stats.micro_batches,
-            "trained": stats.loss_tokens > 0 and all(map(_finite, (stats.loss, stats.grad_norm)))}
+    results.put({"train_step_s": round(time.perf_counter() - start, 1), "loss": stats.loss,
+                 "grad_norm": stats.grad_norm, "micro_batches": stats.micro_batches,
+                 "train_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                 "trained": stats.loss_tokens > 0 and all(map(_finite, (stats.loss, stats.grad_norm)))})
 
 
 def _finite(x: float) -> bool:
@@ -214,6 +240,8 @@ def measure(bootstrap: str | None, sessions: int, turns: int, resets: tuple[int,
         }
         out["kafka_bytes_per_unique_token"] = round(out["kafka_bytes"] / out["unique_tokens"], 2)
         out["kafka_topics"] = per_topic
+        if progress:
+            progress(f"data plane: {orjson.dumps(out).decode()}")
         if train:
             if progress:
                 progress(f"training one step on {sample['unique_tokens']} tree rows")

@@ -21,4 +21,5 @@ def test_a_small_long_horizon_group_goes_through_every_stage(kafka_bootstrap):
     assert out["kafka_topics"]["forge.completions"] < out["unique_tokens"] * 8  # prompts by reference, not whole
     assert out["kafka_bytes"] == sum(out["kafka_topics"].values()) and "forge.samples" in out["kafka_topics"]
     assert out["trained"] and math.isfinite(out["loss"]) and out["grad_norm"] > 0  # rewards 0 and 1: a signal
+    assert 0 < out["train_peak_rss_mb"] < 8000
     assert out["gateway_overhead_ms_p50_small"] is not None and out["gateway_overhead_ms_p50_long"] is not None
