@@ -45,12 +45,14 @@ class Ledger:
 
 
 class Traffic(threading.Thread):
-    """Runs groups of scripted sessions against `gateway` until `stop()`, `concurrency` groups at a time."""
+    """Runs groups of scripted sessions against `gateway` until `stop()`, `concurrency` groups at a time, each
+    worker pausing `pause_s` between its groups."""
 
-    def __init__(self, gateway: str, bootstrap: str, run: str, group_size: int = 2, concurrency: int = 2):
+    def __init__(self, gateway: str, bootstrap: str, run: str, group_size: int = 2, concurrency: int = 2,
+                 pause_s: float = 0.0):
         super().__init__(daemon=True, name="fault-traffic")
         self.gateway, self.bootstrap, self.run_id = gateway, bootstrap, run
-        self.group_size, self.concurrency = group_size, concurrency
+        self.group_size, self.concurrency, self.pause_s = group_size, concurrency, pause_s
         self.ledger = Ledger()
         self.tasks: dict[str, dict] = {}  # group id -> its Task
         self.errors: list[str] = []
@@ -78,6 +80,7 @@ class Traffic(threading.Thread):
             seq = next(self._seq)
             try:
                 await self._group(client, producer, seq)
+                await asyncio.sleep(self.pause_s)
             except Exception as exc:  # a group that could not finish: the test fails on `errors`
                 self.errors.append(f"group {seq}: {type(exc).__name__}: {exc}")
                 return
