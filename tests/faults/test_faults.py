@@ -32,6 +32,7 @@ from forge_stream.deploy import local_broker
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import watermarks
 from forge_stream.processors import ProcessorSettings
+from forge_stream.processors.rewards import advantages, reward_to_go
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
 from forge_stream.topics import TOPICS
@@ -236,8 +237,8 @@ def audit(traffic: Traffic, finished: dict[str, int], drained: dict, poison: dic
     print(f"fault suite: {timeline[1:-1]} (seconds into the run); {time.monotonic() - started:.0f}s in all\n"
           f"  acknowledged: {len(ledger.completions)} completions, {len(ledger.spans)} spans, "
           f"{len(ledger.rewards)} rewards, {len(ledger.finished)} finishes ({ledger.retries} calls retried)\n"
-          f"  recorded: {len(completions)} completions ({len(set(recorded) - set(ledger.completions))} of them "
-          f"unacknowledged: the answer was lost in a kill), {len(spans)} spans, "
+          f"  recorded: {len(completions)} completions, {len(spans)} spans (of them unacknowledged, their answer "
+          f"lost in a kill: {len(set(recorded) - set(ledger.completions))} and {len(spans - set(ledger.spans))}), "
           f"{len(grader_rewards)} grader rewards, {len(finishes)} finishes\n"
           f"  duplicate event ids: sources {sum(map(len, source_dups.values()))} (and {len(retried)} rewards "
           f"retried with the same Idempotency-Key), processor outputs re-emitted "
@@ -287,3 +288,14 @@ def audit(traffic: Traffic, finished: dict[str, int], drained: dict, poison: dic
         expected = {r["event_id"]: r for r in recompute(group, drained, settings)}
         published = {i: r for i, r in live.items() if r["group_id"] == group}
         assert expected and published == expected, f"group {group}: the processors' outputs differ from the batch"
+        # and, from the reward functions themselves: each rollout's outcome is its acknowledged grade (never the
+        # NaN), its reward-to-go and the group's advantages follow from its turns' rewards
+        trajectories = [r for r in published.values() if "turns" in r]
+        assert sorted(t["session_id"] for t in trajectories) == sorted(s for s, g in ledger.finished.items()
+                                                                       if g == group)
+        rewards = [[turn["reward"] for turn in t["turns"]] for t in trajectories]
+        expected_advantages = advantages(rewards, settings.gamma, settings.advantage, settings.advantage_scale)
+        for t, r, adv in zip(trajectories, rewards, expected_advantages):
+            assert t["outcome_reward"] == ledger.outcomes[t["session_id"]]
+            assert [turn["reward_to_go"] for turn in t["turns"]] == pytest.approx(reward_to_go(r, settings.gamma))
+            assert [turn["advantage"] for turn in t["turns"]] == pytest.approx(adv)
