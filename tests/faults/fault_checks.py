@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from forge_stream.events import DecodeError, decode, encode, new_event_id, now_ms
 from forge_stream.kafka.history import watermarks
@@ -34,6 +34,17 @@ class Record:
     event: dict | None
 
 
+def bounds(consumer: Consumer, topic: str, partition: int, attempts: int = 6) -> tuple[int, int]:
+    """A partition's low and high watermarks, asked again when a busy broker lets the request time out."""
+    for attempt in range(attempts):
+        try:
+            return watermarks(consumer, topic, partition)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError._TIMED_OUT or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def drain(bootstrap: str, topic: Topic) -> list[Record]:
     """Every record of `topic`, partition by partition in offset order, as a read_committed reader sees them."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "fault-suite-drain", "enable.auto.commit": False,
@@ -41,14 +52,14 @@ def drain(bootstrap: str, topic: Topic) -> list[Record]:
     out = []
     try:
         for partition in range(topic.partitions):
-            low, high = watermarks(consumer, topic.name, partition)
+            low, high = bounds(consumer, topic.name, partition)
             if low >= high:
                 continue
             consumer.assign([TopicPartition(topic.name, partition, low)])
             # read_committed stops at the last stable offset; with no open transaction that is the high watermark
             position = low
             while position < high:
-                msg = consumer.poll(10)
+                msg = consumer.poll(30)
                 if msg is None:
                     raise TimeoutError(f"{topic.name}[{partition}] stopped at {position} before {high}")
                 if msg.error():

@@ -30,14 +30,13 @@ from confluent_kafka import Consumer
 
 from forge_stream.deploy import local_broker
 from forge_stream.kafka.broker import free_port
-from forge_stream.kafka.history import watermarks
 from forge_stream.processors import ProcessorSettings
 from forge_stream.processors.rewards import advantages, reward_to_go
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
 from forge_stream.topics import TOPICS
 
-from fault_checks import SOURCES, drain, events, inject_poison, recompute
+from fault_checks import SOURCES, bounds, drain, events, inject_poison, recompute
 from fault_agents import Traffic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +119,7 @@ services:
         """The sum of `topic`'s high watermarks."""
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "fault-suite-probe", "log_level": 0})
         try:
-            return sum(watermarks(consumer, topic.name, p)[1] for p in range(topic.partitions))
+            return sum(bounds(consumer, topic.name, p)[1] for p in range(topic.partitions))
         finally:
             consumer.close()
 
