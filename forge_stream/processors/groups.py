@@ -79,8 +79,8 @@ def apply(state: dict, schema: str, record: dict, settings: ProcessorSettings) -
         state["task"] = record
     elif schema in ("SessionStarted", "SessionFinished"):
         session = _session(state, record["session_id"])
-        if schema == "SessionStarted":
-            session["started_ms"] = t
+        if schema == "SessionStarted":  # a start written again (a retried open) does not shorten the session
+            session["started_ms"] = t if session["started_ms"] is None else min(session["started_ms"], t)
         else:
             session["finished"] = record
     elif schema == "Completion":

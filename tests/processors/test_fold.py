@@ -168,3 +168,18 @@ def test_a_group_without_its_task_is_skipped_when_it_times_out():
     assert by_schema(out, "TrainSample") == []
     [skipped] = by_schema(out, "GroupSkipped")
     assert skipped["task_seq"] == -1 and "Task never" in skipped["reason"]
+
+
+def test_a_session_started_twice_keeps_its_first_start():
+    """A session open retried after a gateway restart writes a second, later SessionStarted; the session's wall
+    time (and its time reward) still counts from the first, whatever order the two are read in."""
+    events = group_events("g", group_size=3)
+    starts = [(i, r) for i, (s, r) in enumerate(events) if s == "SessionStarted"]
+    i, first = starts[0]
+    again = {**first, "event_id": "started-again", "event_time": first["event_time"] + 5}  # before the group ends
+    _, want = run(events)
+    for order in (events[:i + 1] + [("SessionStarted", again)] + events[i + 1:],
+                  events[:i] + [("SessionStarted", again)] + events[i:]):
+        _, out = run(order)
+        assert by_schema(out, "Trajectory") == by_schema(want, "Trajectory")
+        assert by_schema(out, "Reward") == by_schema(want, "Reward")
