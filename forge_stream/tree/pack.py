@@ -63,13 +63,18 @@ def pack(sequences: Sequence[Sequence[int]]) -> PackedTree:
     node_children: list[dict[int, int]] = []
     roots: dict[int, int] = {}
     node_paths: list[list[int]] = []
+    previous: list[int] = []
     for seq in sequences:
         if len(seq) == 0:
             raise ValueError("pack() got an empty sequence")
-        children = roots
-        path: list[int] = []
-        for tok in seq:
-            tok = int(tok)
+        ids = seq.tolist() if hasattr(seq, "tolist") else list(seq)  # tensors and arrays become lists of ints
+        # An agent's turn usually extends the one before it: the prefix it shares with the previous sequence is
+        # already in the trie, so the walk starts at its end (work per sequence: its new tokens, not its length).
+        shared = _common_prefix(previous, ids)
+        path: list[int] = node_paths[-1][:shared] if shared else []
+        children = node_children[path[-1]] if shared else roots
+        previous = ids
+        for tok in ids[shared:]:
             node = children.get(tok)
             if node is None:
                 node = len(node_token)
@@ -99,6 +104,21 @@ def pack(sequences: Sequence[Sequence[int]]) -> PackedTree:
     row_index = torch.tensor(row_of, dtype=torch.long)
     paths = tuple(row_index[torch.tensor(p, dtype=torch.long)] for p in node_paths)
     return _finish(token_ids, depth, parent, paths)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items `a` and `b` share (list comparisons run in C: a binary search over prefixes)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def from_arrays(

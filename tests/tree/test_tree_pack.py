@@ -1,5 +1,7 @@
 """Packing sequences into a DFS pre-order trie: layout, paths, the visibility predicate, round trips."""
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -97,3 +99,41 @@ def test_repack_shares_prefixes_across_trees_and_keeps_sequence_order():
     assert forest.num_rows == 10 and trie.num_rows == 7  # [1, 2, 3] is stored once
     for f_path, t_path in zip(forest.paths, trie.paths):
         assert forest.token_ids[f_path].tolist() == trie.token_ids[t_path].tolist()
+
+
+def _walked_from_the_root(sequences):
+    """The trie as a walk from the root for every token of every sequence builds it (what `pack` skips for the
+    prefix a sequence shares with the one before): rows as (token, parent token path) in DFS pre-order."""
+    trie: dict = {}
+    for seq in sequences:
+        node = trie
+        for tok in seq:
+            node = node.setdefault(tok, {})
+    rows, stack = [], [(tok, child, ()) for tok, child in reversed(list(trie.items()))]
+    while stack:
+        tok, children, prefix = stack.pop()
+        rows.append(prefix + (tok,))
+        stack.extend((t, c, prefix + (tok,)) for t, c in reversed(list(children.items())))
+    return rows
+
+
+def test_agent_turns_that_extend_the_previous_one_pack_as_a_walk_from_the_root_would():
+    rng = random.Random(3)
+    sequences, history = [], [1, 2, 3]
+    for turn in range(40):
+        if turn % 13 == 12:
+            history = history[:2] + [rng.randrange(9)]  # a context reset: a new branch near the root
+        history = history + [rng.randrange(9) for _ in range(rng.randrange(1, 6))]
+        sequences.append(list(history))
+        if turn % 7 == 3:
+            sequences.append(history[:-1] + [9])  # a sibling choice
+            sequences.append(list(history))  # a repeat
+    tree = pack(sequences)
+    rows = [tuple(tree.token_ids[p].tolist()) for p in tree.paths]
+    assert rows == [tuple(s) for s in sequences]
+    walked = _walked_from_the_root(sequences)
+    assert tree.num_rows == len(walked)
+    assert tree.token_ids.tolist() == [r[-1] for r in walked]
+    assert tree.position_ids.tolist() == [len(r) - 1 for r in walked]
+    assert [walked[p] if p >= 0 else () for p in tree.parent_row.tolist()] == [r[:-1] for r in walked]
+    assert pack([torch.tensor(s) for s in sequences]).token_ids.tolist() == tree.token_ids.tolist()
