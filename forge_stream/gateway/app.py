@@ -73,6 +73,7 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as http:
             app.state.gateway = GatewayService(settings, sink or producer, http)
             try:
+                await app.state.gateway.restorer.start()
                 yield
             finally:
                 await app.state.gateway.restorer.close()
