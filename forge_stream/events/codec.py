@@ -27,7 +27,7 @@ def encode(schema: str, record: dict, registry: SchemaRegistry | None = None) ->
     out = io.BytesIO()
     out.write(_HEADER.pack(MAGIC, entry.id))
     try:
-        schemaless_writer(out, entry.parsed, record, strict_allow_default=True)
+        schemaless_writer(out, entry.writer, record, strict_allow_default=True)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"record does not match schema {entry.name} v{entry.version}: {exc}") from exc
     return out.getvalue()

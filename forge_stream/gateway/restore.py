@@ -287,6 +287,7 @@ class SessionRestorer:
                     if settings.shared_sessions else None)
         self._loading: dict[str, asyncio.Future] = {}
         self.restored = 0
+        self.refreshed = 0  # held sessions rebuilt because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
 
     async def _kafka(self, read, *args):
@@ -350,6 +351,7 @@ class SessionRestorer:
             async with session.recording:
                 if self.log.foreign.get(session.id, -1) >= (session.seen or 0):
                     self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+                    self.refreshed += 1
 
     async def response(self, session: Session, response_id: str) -> None:
         """Put the stored response `response_id` (served by another replica, or before a restart) into `session`'s
