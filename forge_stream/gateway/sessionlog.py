@@ -110,7 +110,8 @@ class SessionLog:
         completions, sessions = TOPICS.completions.name, TOPICS.sessions.name
         while not self._stop.is_set():
             try:
-                messages = self._consumer.consume(1000, 0.1)
+                first = self._consumer.poll(0.1)  # as soon as there is one (consume waits for all it asks for)
+                messages = [] if first is None else [first, *self._consumer.consume(1000, 0)]
                 positions = self._consumer.position(list(self._consumer.assignment()))
             except KafkaException as exc:
                 log.warning("session log: %s", exc)
