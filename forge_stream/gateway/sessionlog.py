@@ -16,6 +16,7 @@ it past what this one last read of it (`SessionRestorer` rebuilds it), and finis
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
@@ -36,6 +37,24 @@ def _bounded_set(entries: OrderedDict, key: str, value, limit: int) -> None:
     entries.move_to_end(key)
     while len(entries) > limit:
         entries.popitem(last=False)
+
+
+async def _all_done(futures: list[concurrent.futures.Future]) -> None:
+    """Wait for Kafka's futures (one per partition), waking the event loop once rather than once for each."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    await done
 
 
 class SessionLog:
@@ -76,8 +95,9 @@ class SessionLog:
         while True:
             futures = self._admin.list_offsets({tp: OffsetSpec.latest() for tp in self._tps},
                                                request_timeout=self.timeout_s)
+            await _all_done(list(futures.values()))
             try:
-                return {(tp.topic, tp.partition): (await asyncio.wrap_future(f)).offset for tp, f in futures.items()}
+                return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
             except KafkaException as exc:  # librdkafka does not flag a moving leader retriable here
                 if not (exc.args[0].retriable() or exc.args[0].code() in _MOVING):
                     raise
