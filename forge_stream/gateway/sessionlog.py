@@ -67,9 +67,9 @@ class SessionLog:
         self.finished: OrderedDict[str, None] = OrderedDict()  # sessions a SessionFinished was read for
         self._own: OrderedDict[str, None] = OrderedDict()  # request ids this replica is recording or recorded
         self._admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+        # a fetch at the end waits at the broker until a record arrives (or fetch.wait.max.ms): no need to ask often
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-gateway-log",
-                                   "enable.auto.commit": False, "enable.partition.eof": False,
-                                   "fetch.wait.max.ms": 10, "log_level": 0})
+                                   "enable.auto.commit": False, "enable.partition.eof": False, "log_level": 0})
         self._tps: list[TopicPartition] = []
         self._positions: dict[tuple[str, int], int] = {}  # read up to here (next offset), by (topic, partition)
         self._waiters: list[tuple[dict[tuple[str, int], int], asyncio.Future]] = []
