@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from forge_stream.events.codec import DecodeError, decode, encode, schema_id
+from forge_stream.events.codec import DecodeError, decode, encode, peek, schema_id
 from forge_stream.events.registry import RegistryError, SchemaRegistry, default_registry, load_registry
 
 _NAMESPACE = uuid.UUID("6f0c1d2e-7a53-4c1b-9d8e-f0400b1e5eed")
@@ -26,5 +26,5 @@ def now_ms() -> int:
 
 __all__ = [
     "DecodeError", "RegistryError", "SchemaRegistry", "decode", "default_registry", "deterministic_id",
-    "encode", "load_registry", "new_event_id", "now_ms", "schema_id",
+    "encode", "load_registry", "new_event_id", "now_ms", "peek", "schema_id",
 ]

@@ -10,13 +10,15 @@ recorded by reference to, pending tool calls, and the spans recorded. A finished
 Responses API `previous_response_id` it does not hold is rebuilt from the Completion that answered it (`response`).
 
 Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
-holding it may be behind. Before each call of a held session it reads the session's Completions partition past
-what it has seen (`SessionEvents.foreign`); a completion it did not record makes it rebuild the session first, and a
-SessionFinished recorded elsewhere closes it. A finish rebuilds the session first, so that its SessionFinished
-counts the completions and spans every replica recorded (a span may have been posted to another). There is no
-lock across replicas: two replicas serving one session at the same time can both record turn k. The next check
-finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
-both).
+holding it may be behind. Each replica follows what the others record (forge_stream.gateway.sessionlog): before a
+call of a held session it waits until that tail has read everything acknowledged before the call (one end-offsets
+lookup, shared by the calls that arrived meanwhile); a Completion another replica recorded past what this one read
+of the session makes it rebuild the session first, and a SessionFinished recorded elsewhere closes it. So a replica
+that keeps serving its sessions reads no session's events per call; a session that moves between replicas is
+rebuilt once per move. A finish rebuilds the session first, so that its SessionFinished counts the completions and
+spans every replica recorded (a span may have been posted to another). There is no lock across replicas: two
+replicas serving one session at the same time can both record turn k. The next call finds it: it is logged as a
+turn collision, counted in /health, and the session rebuilt (turn numbers go on past both).
 
 The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
@@ -38,6 +40,7 @@ from forge_stream.events.prompts import Lane, MissingReference, message_digest, 
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
+from forge_stream.gateway.sessionlog import SessionLog
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import SessionKeys, pending_calls
 from forge_stream.gateway.textspans import METADATA_KEY, load_rule
@@ -175,14 +178,6 @@ class SessionEvents:
             return None
         return next((r for r in rebuilt if r["request_id"] == request_id and r["choice_index"] == 0), None)
 
-    def foreign(self, session: Session) -> bool:
-        """Whether a completion this process did not record was added to the session since it last looked."""
-        completions, end = self._records(TOPICS.completions, session, session.seen)
-        if any(r["request_id"] not in session.requests for r in completions):
-            return True
-        session.seen = end
-        return False
-
 
 class SessionRestorer:
     """A gateway process's sessions: those `store` holds, else rebuilt from Kafka; with shared sessions, held ones
@@ -193,8 +188,12 @@ class SessionRestorer:
         reader = PartitionReader(settings.bootstrap, settings.ack_timeout_ms / 1000)
         self.directory = SessionDirectory(reader, settings.session_lookback_s, settings.finished_sessions_kept)
         self.events = SessionEvents(reader, settings.clock_skew_ms)
+        self.log = (SessionLog(settings.bootstrap, settings.ack_timeout_ms / 1000,
+                               settings.max_open_sessions + settings.finished_sessions_kept)
+                    if settings.shared_sessions else None)
         self._loading: dict[str, asyncio.Future] = {}
         self.restored = 0
+        self.refreshed = 0  # held sessions rebuilt because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
 
     async def _kafka(self, read, *args):
@@ -205,7 +204,19 @@ class SessionRestorer:
             raise GatewayError(503, f"The session's events could not be read from Kafka: {exc}",
                                "service_unavailable", retry_after=self.settings.retry_after_s) from exc
 
+    async def start(self) -> None:
+        """With shared sessions: start following what other replicas record."""
+        if self.log is not None:
+            for topic in (TOPICS.completions, TOPICS.sessions):
+                await self._kafka(self.directory.reader.partitions, topic)
+            try:
+                await self.log.start()
+            except (KafkaException, TimeoutError) as exc:
+                raise RuntimeError(f"the gateway cannot follow forge.completions and forge.sessions: {exc}") from exc
+
     async def close(self) -> None:
+        if self.log is not None:
+            await asyncio.to_thread(self.log.close)
         await asyncio.to_thread(self.directory.reader.close)
 
     async def started_elsewhere(self, session_id: str) -> bool:
@@ -231,14 +242,22 @@ class SessionRestorer:
 
     async def _refresh(self, session: Session) -> None:
         """Bring a held session up to date with what other replicas recorded for it."""
-        partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
-        async with session.recording:
-            foreign, entry = await asyncio.gather(self._kafka(self.events.foreign, session),
-                                                  self._kafka(self.directory.find, session.id, [partition]))
-            if foreign:
-                self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
-            if entry is not None and entry.finished is not None and session.status == "open":
+        reader, group = self.directory.reader, session.keys.group_id
+        try:
+            await self.log.caught_up({t.name: reader.partition_of(t, group) for t in (TOPICS.completions,
+                                                                                   TOPICS.sessions)})
+        except (KafkaException, TimeoutError) as exc:
+            raise GatewayError(503, f"What other replicas recorded could not be read from Kafka: {exc}",
+                               "service_unavailable", retry_after=self.settings.retry_after_s) from exc
+        if session.id in self.log.finished:
+            if session.status == "open":
                 self.store.finished(session)
+            return
+        if self.log.foreign.get(session.id, -1) >= (session.seen or 0):
+            async with session.recording:
+                if self.log.foreign.get(session.id, -1) >= (session.seen or 0):
+                    self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+                    self.refreshed += 1
 
     async def response(self, session: Session, response_id: str) -> None:
         """Put the stored response `response_id` (served by another replica, or before a restart) into `session`'s

@@ -127,6 +127,33 @@ async def _message(request: Request, session_id: str | None) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
+AGENT_CALLS = {  # path after /v1/ -> (request, session id or None) -> response: the routes below, in one table
+    "chat/completions": lambda request, session_id: _complete(request, session_id, "chat"),
+    "completions": lambda request, session_id: _complete(request, session_id, "completion"),
+    "responses": lambda request, session_id: _complete(request, session_id, "responses"),
+    "messages": _message,
+}
+
+
+def agent_call(path: str):
+    """(handler, session id or None) of an agent's POST to `path` (/s/{session_id}/v1/... or /v1/...), or None
+    when `path` is not one of them; what FastAPI's route matching would find for these paths.
+
+    >>> [(h is AGENT_CALLS["messages"], s) for h, s in [agent_call("/s/abc/v1/messages"), agent_call("/v1/messages")]]
+    [(True, 'abc'), (True, None)]
+    >>> agent_call("/s/a/b/v1/messages"), agent_call("/s//v1/responses"), agent_call("/v1/models")
+    (None, None, None)
+    """
+    session_id = None
+    if path.startswith("/s/"):
+        session_id, _, path = path[3:].partition("/")
+        if not session_id:
+            return None
+        path = "/" + path
+    handler = AGENT_CALLS.get(path[4:]) if path.startswith("/v1/") else None
+    return None if handler is None else (handler, session_id)
+
+
 @router.post("/s/{session_id}/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
 async def session_messages(session_id: str, request: Request) -> Response:
     return await _message(request, session_id)
@@ -192,7 +219,8 @@ async def health(request: Request) -> dict:
     service = _service(request)
     return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
             "open_sessions": service.sessions.open, "admission": service.admission.view(),
-            "sessions_restored": service.restorer.restored, "turn_collisions": len(service.restorer.collisions),
+            "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
+            "turn_collisions": len(service.restorer.collisions),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 

@@ -384,8 +384,16 @@ class GatewayService:
                        for c in choices]
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
             sent = [by_reference(r, ctx.message_parts, session.lanes.values()) if by_ref else r for r in records]
-            await self.publish([(TOPICS.completions, group, r, None) for r in sent]
-                               + [(TOPICS.tool_spans, group, s, None) for s in spans])
+            log = self.restorer.log  # shared sessions: other replicas' records are told from this one's by request id
+            if log is not None:
+                log.recording(ctx.request_id)
+            try:
+                await self.publish([(TOPICS.completions, group, r, None) for r in sent]
+                                   + [(TOPICS.tool_spans, group, s, None) for s in spans])
+            except BaseException:
+                if log is not None:
+                    log.not_recorded(ctx.request_id)
+                raise
             session.turns = turn + 1
             session.requests.add(ctx.request_id)
             if by_ref:

@@ -6,7 +6,7 @@ import struct
 import pytest
 from fastavro.utils import generate_one
 
-from forge_stream.events import DecodeError, decode, default_registry, encode
+from forge_stream.events import DecodeError, decode, default_registry, encode, peek
 from forge_stream.events.registry import schema_fingerprint
 
 # SHA-256 of each schema's Parsing Canonical Form. A change here is a contract change: add a new version instead.
@@ -68,6 +68,20 @@ def test_round_trip(name):
         decoded_name, decoded = decode(data)
         assert decoded_name == name
         assert decoded == _as_read(record, decoded)
+
+
+@pytest.mark.parametrize("name", EVENTS)
+def test_peek_reads_the_fields_decode_reads(name):
+    """Leading fields read without decoding the rest, and (past a field peek cannot skip) by decoding: same values."""
+    entry = default_registry().latest(name)
+    names = tuple(f["name"] for f in entry.parsed["fields"])
+    for _ in range(5):
+        data = encode(name, generate_one(entry.parsed))
+        _, decoded = decode(data)
+        for wanted in (names[:1], names[:3], (names[2], names[0]), names):
+            assert peek(data, wanted) == (name, {f: decoded[f] for f in wanted})
+    with pytest.raises(DecodeError):
+        peek(encode(name, generate_one(entry.parsed))[:6], names[:2])
 
 
 def _as_read(record, decoded):

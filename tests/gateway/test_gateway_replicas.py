@@ -85,6 +85,29 @@ def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_ga
     assert health[0]["turn_collisions"] == health[1]["turn_collisions"] == 0
 
 
+def test_a_held_session_is_rebuilt_only_when_another_replica_recorded_for_it(
+        kafka_bootstrap, make_gateway, engine, run_id):
+    """Shared sessions: a replica serving its own session's calls rebuilds nothing; after another replica served a
+    turn, its next call rebuilds the session once (and sees that turn), and the calls after it rebuild nothing."""
+    agent = CountingAgent()
+    rebuilt = lambda url: httpx.get(f"{url}/health").json()["sessions_refreshed"]  # noqa: E731
+    with make_gateway(engines=(engine,), shared_sessions=True) as a, \
+            make_gateway(engines=(engine,), shared_sessions=True) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        for _ in range(3):
+            agent.turn(a + path)
+        assert rebuilt(a) == 0
+        agent.turn(b + path)  # B does not hold it: restored, not refreshed
+        assert (rebuilt(b), httpx.get(f"{b}/health").json()["sessions_restored"]) == (0, 1)
+        for _ in range(3):
+            agent.turn(a + path)
+        assert rebuilt(a) == 1
+        agent.turn(b + path)
+        assert rebuilt(b) == 1
+    agent.check(kafka_bootstrap, sid)
+
+
 def test_a_session_moves_to_another_replica_with_its_token_and_pending_tool_calls(
         kafka_bootstrap, make_gateway, scripted_url, run_id):
     """With auth: the session token issued by A works on B (also alone, naming no session), B infers the span of a
