@@ -10,7 +10,7 @@ recorded by reference to, pending tool calls, and the spans recorded. A finished
 Responses API `previous_response_id` it does not hold is rebuilt from the Completion that answered it (`response`).
 
 Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one session's calls alternately, the one
-holding it may be behind. Each replica follows what the others record (forge_stream.gateway.sessionlog): before a
+holding it may be behind. Each replica follows what the others record (forge_stream.kafka.sessionlog): before a
 call of a held session it waits until that tail has read everything acknowledged before the call (one end-offsets
 lookup, shared by the calls that arrived meanwhile); a Completion another replica recorded past what this one read
 of the session makes it rebuild the session first, and a SessionFinished recorded elsewhere closes it. So a replica
@@ -40,7 +40,7 @@ from forge_stream.events.prompts import Lane, MissingReference, message_digest, 
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
-from forge_stream.gateway.sessionlog import SessionLog
+from forge_stream.kafka.sessionlog import SessionLog
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.spans import SessionKeys, pending_calls
 from forge_stream.gateway.textspans import METADATA_KEY, load_rule
