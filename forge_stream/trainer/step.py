@@ -42,6 +42,7 @@ class StepConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     token_budget: int = 16384  # max unique tree rows per micro-batch forward
     chunk_rows: int = 256  # query rows per chunk of CPU tree attention
+    checkpoint_layers: bool = True  # recompute each decoder layer in backward: activations O(U x hidden) per layer
     updates: int = 1  # optimizer updates per batch (sample reuse, like PPO's epochs); see train_step
 
     @property
@@ -201,7 +202,8 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     for forest, batch_refs in batches:
         # Only the completion tokens' rows go through the LM head, each once, indexed once into the sequences.
         rows = [path[ref["prompt_len"]:] for path, ref in zip(forest.paths, batch_refs)]
-        lp = path_logprobs(model, forest, torch.cat(rows), chunk_rows=config.chunk_rows)
+        lp = path_logprobs(model, forest, torch.cat(rows), chunk_rows=config.chunk_rows,
+                           checkpoint_layers=config.checkpoint_layers)
         out = loss_fn(
             lp.split([len(r) for r in rows]),
             [ref["old_logprobs"] for ref in batch_refs],

@@ -16,6 +16,7 @@ attention implementation is switched to a registered tree function for the durat
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Iterator, Literal
 
 import torch
@@ -53,16 +54,19 @@ def path_logprobs(
     backend: Backend = "auto",
     chunk_rows: int = 256,
     head_rows: int = 1024,
+    checkpoint_layers: bool = False,
 ) -> torch.Tensor:
     """(len(rows),) log-prob of the token of each given non-root row given its path prefix; rows may repeat.
 
     The LM head runs on the distinct rows only (a trainer asks for the completion rows, not the prompt's),
     and their values are indexed once into the result, so no per-sequence copy of anything U-sized is made.
+    `checkpoint_layers`: see `tree_hidden_states`.
     """
     unique, inverse = torch.unique(rows, return_inverse=True)
     if bool((packed.parent_row[unique] < 0).any()):
         raise ValueError("a root row has no prefix to score its token with")
-    hidden = tree_hidden_states(model, packed, backend=backend, chunk_rows=chunk_rows)
+    hidden = tree_hidden_states(model, packed, backend=backend, chunk_rows=chunk_rows,
+                                checkpoint_layers=checkpoint_layers)
     return _head_logprobs_at(model, packed, hidden, unique, head_rows)[inverse.to(hidden.device)]
 
 
@@ -112,9 +116,19 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
 
 
 def tree_hidden_states(
-    model: torch.nn.Module, packed: PackedTree, *, backend: Backend = "auto", chunk_rows: int = 256
+    model: torch.nn.Module,
+    packed: PackedTree,
+    *,
+    backend: Backend = "auto",
+    chunk_rows: int = 256,
+    checkpoint_layers: bool = False,
 ) -> torch.Tensor:
-    """(U, hidden) final hidden states of the decoder run once over the tree rows."""
+    """(U, hidden) final hidden states of the decoder run once over the tree rows.
+
+    `checkpoint_layers`: keep only each decoder layer's input for backward and recompute the layer there
+    (torch.utils.checkpoint), so saved activations are one layer's plus a hidden state per layer and row, for
+    about one more forward pass.
+    """
     device = model.get_input_embeddings().weight.device
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "ancestor"
@@ -133,9 +147,31 @@ def tree_hidden_states(
     else:
         raise ValueError(f"unknown tree attention backend {backend!r}")
     attention.register()
-    with _attn_implementation(model, impl):
+    with _attn_implementation(model, impl), _checkpointed_layers(model, impl, checkpoint_layers):
         out = model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **extra)
     return out.last_hidden_state[0]
+
+
+@contextmanager
+def _checkpointed_layers(model: torch.nn.Module, impl: str, enabled: bool) -> Iterator[None]:
+    """Run each decoder layer under torch.utils.checkpoint for the duration of the call. The recomputation in
+    backward happens after the call, so it switches the attention implementation to the tree's again."""
+    layers = list(model.base_model.layers) if enabled and torch.is_grad_enabled() else []
+    shadowed = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = partial(checkpoint, partial(_layer_forward, model, impl, layer.forward), use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer, previous in zip(layers, shadowed):
+            del layer.forward
+            if previous is not None:
+                layer.forward = previous
+
+
+def _layer_forward(model: torch.nn.Module, impl: str, forward, *args, **kwargs):
+    with _attn_implementation(model, impl):
+        return forward(*args, **kwargs)
 
 
 @contextmanager
