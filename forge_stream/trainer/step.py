@@ -1,13 +1,15 @@
 """One tree-packed training step over decoded TrainSample records (pure: model, optimizer and records in,
 stats out; no Kafka).
 
-Each TrainSample is one group's prefix tree. `micro_batches` takes consecutive samples up to `token_budget`
-unique rows (a sample larger than the budget goes alone); their sequences are re-packed into one trie, so what
-groups share (system prompt, tool definitions) is computed once, and it runs through `sequence_logprobs` once; each sequence's completion log-probs (the last `length - prompt_len` of its
-`length - 1` values) meet its recorded rollout log-probs and advantage in the loss. The loss is normalised by
-the completion tokens of the whole step, so micro-batching leaves the gradient unchanged, and so does data
-parallelism: under torch.distributed (`train_step(..., ranks=...)`, forge_stream.trainer.distributed) each rank
-trains its share of the trees with the whole batch's normalizer and the ranks sum their gradients.
+Each TrainSample is one group's prefix tree. A group larger than `token_budget` unique rows is split into runs
+of its sequences whose tries fit (`split_sequences`); `micro_batches` takes consecutive trees (or parts) up to
+the budget; their sequences are re-packed into one trie, so what groups share (system prompt, tool definitions)
+is computed once, and it runs through the model once, the LM head on the completion rows only
+(`path_logprobs`). Each sequence's completion log-probs meet its recorded rollout log-probs and advantage in the
+loss. The loss is normalised by the completion tokens of the whole step, so micro-batching and splitting leave
+the gradient unchanged, and so does data parallelism: under torch.distributed (`train_step(..., ranks=...)`,
+forge_stream.trainer.distributed) each rank trains its share of the trees with the whole batch's normalizer and
+the ranks sum their gradients.
 
 `StepConfig.loss` picks the loss and, unless `clip` is given, its own clip bounds (`LOSS_CLIP`: CISPO
 eps_low None / eps_high 4.0, PPO 0.2 / 0.2). Besides the loss, a step reports the train-inference mismatch over
@@ -25,6 +27,7 @@ import torch
 
 from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
 from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs
+from forge_stream.tree.logprobs import path_logprobs
 
 
 LossName = Literal["cispo", "ppo"]
@@ -39,6 +42,7 @@ class StepConfig:
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     token_budget: int = 16384  # max unique tree rows per micro-batch forward
     chunk_rows: int = 256  # query rows per chunk of CPU tree attention
+    checkpoint_layers: bool = True  # recompute each decoder layer in backward: activations O(U x hidden) per layer
     updates: int = 1  # optimizer updates per batch (sample reuse, like PPO's epochs); see train_step
 
     @property
@@ -114,6 +118,52 @@ def micro_batches(trees: Sequence[PackedTree], token_budget: int) -> list[list[i
     return groups
 
 
+def split_sequences(tree: PackedTree, token_budget: int) -> list[list[int]]:
+    """The tree's sequence indices cut into consecutive runs whose re-packed tries fit `token_budget` rows.
+
+    A run's trie has at most the rows of the union of its paths, which is what is counted. One path longer than
+    the budget still goes alone and whole: its tokens need all of their prefix in the same forward pass.
+
+    >>> split_sequences(pack([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7]]), 4)
+    [[0, 1], [2, 3]]
+    """
+    if tree.num_rows <= token_budget:
+        return [list(range(tree.num_sequences))]
+    taken = torch.zeros(tree.num_rows, dtype=torch.bool)
+    runs: list[list[int]] = []
+    rows = 0
+    for i, path in enumerate(tree.paths):
+        new = int((~taken[path]).sum())
+        if runs and rows + new <= token_budget:
+            runs[-1].append(i)
+            rows += new
+        else:
+            taken.zero_()
+            runs.append([i])
+            rows = len(path)
+        taken[path] = True
+    return runs
+
+
+def micro_batch_plan(samples: Sequence[dict], token_budget: int) -> list[tuple[PackedTree, list[dict]]]:
+    """Each micro-batch's re-packed trie and the sequence refs of its paths, in order: the samples' trees, the
+    larger ones split by `split_sequences`, grouped by `micro_batches`."""
+    parts: list[tuple[PackedTree, list[dict]]] = []
+    for sample in samples:
+        tree = sample_tree(sample)
+        runs = split_sequences(tree, token_budget)
+        if len(runs) == 1:
+            parts.append((tree, list(sample["sequences"])))
+            continue
+        for run in runs:
+            part = pack([tree.sequence_tokens(i).tolist() for i in run])
+            parts.append((part, [sample["sequences"][i] for i in run]))
+    return [
+        (repack([parts[i][0] for i in batch]), [ref for i in batch for ref in parts[i][1]])
+        for batch in micro_batches([tree for tree, _ in parts], token_budget)
+    ]
+
+
 def build_optimizer(model: torch.nn.Module, config: StepConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -142,21 +192,20 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     the whole batch's. `pad_to`: run zero-weighted forward/backward passes until that many micro-batches ran (FSDP
     ranks must run the same number of passes, whose collectives pair up).
     """
-    trees = [sample_tree(s) for s in samples]
+    batches = micro_batch_plan(samples, config.token_budget)
     if loss_tokens is None:
         loss_tokens = completion_tokens(samples)
-    batches = micro_batches(trees, config.token_budget)
     loss_fn = cispo_loss if config.loss == "cispo" else ppo_clip_loss
     bounds = config.bounds
     total_loss = 0.0
     outs = []
-    for batch in batches:
-        forest = repack([trees[i] for i in batch])
-        batch_refs = [ref for i in batch for ref in samples[i]["sequences"]]
-        logprobs = sequence_logprobs(model, forest, chunk_rows=config.chunk_rows)
-        completion = [lp[ref["prompt_len"] - 1 :] for lp, ref in zip(logprobs, batch_refs)]
+    for forest, batch_refs in batches:
+        # Only the completion tokens' rows go through the LM head, each once, indexed once into the sequences.
+        rows = [path[ref["prompt_len"]:] for path, ref in zip(forest.paths, batch_refs)]
+        lp = path_logprobs(model, forest, torch.cat(rows), chunk_rows=config.chunk_rows,
+                           checkpoint_layers=config.checkpoint_layers)
         out = loss_fn(
-            completion,
+            lp.split([len(r) for r in rows]),
             [ref["old_logprobs"] for ref in batch_refs],
             [ref["advantage"] for ref in batch_refs],
             eps_low=bounds.low,

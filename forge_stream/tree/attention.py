@@ -5,8 +5,9 @@ Three ways to attend over a packed tree (row q sees row k iff `k <= q <= subtree
 * `ancestor` (CPU default): rows are cut into chunks [a, b). In DFS pre-order every key a row of the chunk
   may see is either an ancestor of row a or a row of the chunk itself, so each chunk gathers K/V of
   `ancestors(a) + [a, b)` and runs masked SDPA on that small block. Work is about sum(depth + chunk) over
-  rows, never U x U. A custom autograd function recomputes each chunk in backward and scatters its K/V
-  gradients into one buffer, so saved activations stay O(U) per layer.
+  rows, never U x U; a chunk's key rows and mask are derived when it runs, so memory beyond the activations
+  is one chunk's, at most chunk x (depth + chunk). A custom autograd function recomputes each chunk in
+  backward and scatters its K/V gradients into one buffer, so saved activations stay O(U) per layer.
 * `flex` (GPU default): `flex_attention` with a BlockMask built once per batch from the same predicate, compiled
   on CUDA. It also runs eagerly on CPU (dense, slow), which is how its logic is tested without a GPU.
 * `dense`: a 4D boolean U x U mask handed to the model's own SDPA; the reference in tests.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,33 +35,38 @@ BLOCK_MASK_KWARG = "forge_tree_block_mask"
 
 @dataclass(frozen=True)
 class AncestorPlan:
-    """Chunks of query rows; per chunk the key rows it may read (ancestors of its first row + its own rows)
-    and the boolean visibility of those keys for each query row of the chunk."""
+    """Chunks of query rows [a, b); each chunk's keys (the ancestors of its first row + its own rows) and their
+    visibility for each query row are derived when the chunk runs (`chunks`), never stored: on one long path
+    they add up to about U^2 / 2 key rows, while one chunk's are at most chunk x (depth + chunk) booleans."""
 
     starts: tuple[int, ...]
-    key_rows: tuple[torch.Tensor, ...]
-    visible: tuple[torch.Tensor, ...]
+    num_rows: int
+    subtree_end: torch.Tensor  # (U,) CPU
+    position_ids: torch.Tensor  # (U,) CPU: a row's depth is its number of ancestors
+    device: torch.device
+
+    def chunks(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(a, b, key rows, visible (b - a, keys)) of each chunk, on the plan's device."""
+        end = self.subtree_end
+        for a, b in zip(self.starts, self.starts[1:] + (self.num_rows,)):
+            rows = torch.cat([torch.nonzero(end[:a] >= a).flatten(), torch.arange(a, b)])
+            q_rows = torch.arange(a, b)
+            visible = (rows[None, :] <= q_rows[:, None]) & (end[rows][None, :] >= q_rows[:, None])
+            yield a, b, rows.to(self.device), visible.to(self.device)
 
     @property
     def attended_pairs(self) -> int:
         """(query row, key row) pairs scored: the work measure, about sum(depth + chunk) over rows."""
-        return sum(int(v.numel()) for v in self.visible)
+        stops = self.starts[1:] + (self.num_rows,)
+        return sum((b - a) * (int(self.position_ids[a]) + b - a) for a, b in zip(self.starts, stops))
 
 
 def ancestor_plan(packed: PackedTree, chunk_rows: int, device: torch.device) -> AncestorPlan:
-    """Cut the rows into chunks of `chunk_rows` and find each chunk's visible keys (vectorised per chunk)."""
+    """Cut the rows into chunks of `chunk_rows` (each chunk's keys are found when it runs)."""
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
-    end = packed.subtree_end
     starts = tuple(range(0, packed.num_rows, chunk_rows))
-    key_rows, visible = [], []
-    for a in starts:
-        b = min(a + chunk_rows, packed.num_rows)
-        rows = torch.cat([torch.nonzero(end[:a] >= a).flatten(), torch.arange(a, b)])
-        q_rows = torch.arange(a, b)
-        key_rows.append(rows.to(device))
-        visible.append(((rows[None, :] <= q_rows[:, None]) & (end[rows][None, :] >= q_rows[:, None])).to(device))
-    return AncestorPlan(starts, tuple(key_rows), tuple(visible))
+    return AncestorPlan(starts, packed.num_rows, packed.subtree_end, packed.position_ids, device)
 
 
 def _chunk_attention(q, k, v, visible, scaling, gqa):
@@ -84,8 +91,7 @@ class _AncestorAttention(torch.autograd.Function):
         dq = torch.empty_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
-        stops = plan.starts[1:] + (query.shape[2],)
-        for a, b, rows, visible in zip(plan.starts, stops, plan.key_rows, plan.visible):
+        for a, b, rows, visible in plan.chunks():
             with torch.enable_grad():
                 q = query[:, :, a:b].detach().requires_grad_()
                 k = key[:, :, rows].detach().requires_grad_()
@@ -99,10 +105,9 @@ class _AncestorAttention(torch.autograd.Function):
 
 
 def _forward_chunks(query, key, value, plan, scaling, gqa):
-    stops = plan.starts[1:] + (query.shape[2],)
     outputs = [
         _chunk_attention(query[:, :, a:b], key[:, :, rows], value[:, :, rows], visible, scaling, gqa)
-        for a, b, rows, visible in zip(plan.starts, stops, plan.key_rows, plan.visible)
+        for a, b, rows, visible in plan.chunks()
     ]
     return torch.cat(outputs, dim=2)
 

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from forge_stream.trainer.losses import Clip
-from forge_stream.trainer.step import StepConfig, accumulate_gradients, build_optimizer, micro_batches, train_step
+from forge_stream.trainer.step import (
+    StepConfig, accumulate_gradients, build_optimizer, micro_batch_plan, micro_batches, sample_tree, split_sequences,
+    train_step,
+)
 from forge_stream.tree import pack
 from forge_stream.tree.reference import _token_logprobs, separate_logprobs, tiny_causal_lm
 
@@ -209,3 +212,33 @@ def test_updates_per_batch_reuse_the_batch_weighed_by_the_importance_ratio():
     assert second.mismatch_max > 1e-4 and second.ratio_max > 1.0  # the reuse is off-policy, and weighed so
     with pytest.raises(ValueError, match="updates must be at least 1"):
         train_step(reused, build_optimizer(reused, one), samples, StepConfig(updates=0), policy_version=5)
+
+
+def test_a_group_over_the_token_budget_is_split_across_micro_batches_exactly():
+    """A budget smaller than a group's tree splits its sequences into runs whose tries fit (a path longer than
+    the budget alone, whole); the weights after one step equal those of the unsplit step (float64). The step is
+    SGD: HF's RMSNorm rounds through float32, which leaves float64 gradients agreeing to about 1e-9 relative, and
+    AdamW's first step (about lr * sign(g)) would turn that rounding in gradients near 0 into differences of lr."""
+    prompt = [5, 9, 2, 7, 1, 1]
+    big = _sample("big", [prompt + [1, 2, 3], prompt + [1, 2, 4, 4], prompt + [8, 8], prompt + [8, 9], [3] * 13],
+                  [6, 6, 6, 6, 2], [1.0, -0.5, -0.5, 0.4, 0.2], 3, 9)
+    samples = [big] + _samples()
+    tree = sample_tree(big)
+    assert tree.num_rows == 27
+    runs = split_sequences(tree, 12)
+    assert runs == [[0, 1], [2, 3], [4]]  # 11 and 9 rows; the 13-token path alone
+    assert [pack([tree.sequence_tokens(i).tolist() for i in run]).num_rows for run in runs] == [11, 9, 13]
+    plan = micro_batch_plan(samples, 12)
+    assert [ref["completion_id"] for _, refs in plan for ref in refs][:5] == [f"big-{i}" for i in range(5)]
+    assert [forest.num_rows for forest, _ in plan][:3] == [11, 9, 13]
+    weights, norms = [], []
+    for budget in (12, 10**6):
+        model = tiny_causal_lm("qwen2", dtype=torch.float64, seed=7)
+        config = StepConfig(lr=1e-2, token_budget=budget, chunk_rows=4, grad_clip=0.0)
+        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), samples, config, 5)
+        assert stats.micro_batches == (len(plan) if budget == 12 else 1)
+        weights.append([p.detach().clone() for p in model.parameters()])
+        norms.append(stats.grad_norm)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-7) and norms[0] > 0.05
+    for split, whole in zip(*weights):
+        assert float((split - whole).abs().max()) < 1e-10
