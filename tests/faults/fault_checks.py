@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from forge_stream.events import DecodeError, decode, encode, new_event_id, now_ms
-from forge_stream.kafka.history import watermarks
+from forge_stream.kafka.consumer import low_high
 from forge_stream.processors import InvalidEvent, ProcessorSettings, fold
 from forge_stream.topics import TOPICS, Topic
 
@@ -38,7 +38,7 @@ def bounds(consumer: Consumer, topic: str, partition: int, attempts: int = 6) ->
     """A partition's low and high watermarks, asked again when a busy broker lets the request time out."""
     for attempt in range(attempts):
         try:
-            return watermarks(consumer, topic, partition)
+            return low_high(consumer, topic, partition)
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError._TIMED_OUT or attempt == attempts - 1:
                 raise
