@@ -7,6 +7,10 @@ after a crash (the file was written, its offsets not committed) writes a file of
 flush timing, and replaces the old one instead of duplicating its rows. A file appears whole or not at all (written aside, then
 renamed). Offsets are committed only after the files are on disk, and a dead letter's offset only with the rows
 before it: a record that cannot be decoded never commits past buffered rows.
+
+Each file's columns are typed from the event's Avro schema (`arrow_schema`), not guessed from its rows: a flush
+whose rows all have a null `turn` would otherwise write a null-typed column, and a dataset of such files and others
+with integer turns cannot be read.
 """
 from __future__ import annotations
 
@@ -30,6 +34,30 @@ class ParquetSinkSettings:
     group_id: str = "forge-parquet-sink"
     flush_records: int = 1000
     flush_seconds: float = 10.0
+
+
+_ARROW = {"string": pa.string(), "long": pa.int64(), "int": pa.int32(), "double": pa.float64(),
+          "float": pa.float32(), "boolean": pa.bool_(), "bytes": pa.binary()}
+
+
+def _arrow_type(avro) -> pa.DataType:
+    """A column's type: the Avro type with null unions made nullable, nested values as their JSON text."""
+    if isinstance(avro, list):  # a union: ["null", X] is a nullable X
+        kinds = [t for t in avro if t != "null"]
+        return _arrow_type(kinds[0]) if len(kinds) == 1 else pa.string()
+    if isinstance(avro, dict):
+        return _ARROW.get(avro.get("type"), pa.string()) if avro.get("type") in _ARROW else pa.string()
+    return _ARROW.get(avro, pa.string())
+
+
+def arrow_schema(schema_name: str) -> pa.Schema:
+    """The Parquet columns of one event type (its latest registered Avro schema) plus where each row was read."""
+    from forge_stream.events.registry import default_registry
+
+    fields = default_registry().latest(schema_name).parsed["fields"]
+    return pa.schema([pa.field(f["name"], _arrow_type(f["type"])) for f in fields]
+                     + [pa.field("_topic", pa.string()), pa.field("_partition", pa.int32()),
+                        pa.field("_offset", pa.int64())])
 
 
 def flatten(event: Event) -> dict:
@@ -63,7 +91,9 @@ class ParquetSink:
             folder.mkdir(parents=True, exist_ok=True)
             name = f"part-{partition}-{events[0].offset:012d}.parquet"
             tmp = folder / f".{name}.tmp"  # dot files are invisible to Parquet dataset readers
-            pq.write_table(pa.Table.from_pylist([flatten(e) for e in events]), tmp)
+            kinds = {e.schema for e in events}  # one per topic, except on topics that carry several event types
+            schema = arrow_schema(kinds.pop()) if len(kinds) == 1 else None
+            pq.write_table(pa.Table.from_pylist([flatten(e) for e in events], schema=schema), tmp)
             tmp.replace(folder / name)
             self.files_written.append(folder / name)
         self.buffers.clear()

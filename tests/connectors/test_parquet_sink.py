@@ -4,7 +4,9 @@ loses nor duplicates rows across a crash."""
 import time
 from dataclasses import replace
 
+import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from connectors.parquet_sink import ParquetSink, ParquetSinkSettings
@@ -96,3 +98,22 @@ def test_a_rewrite_after_a_crash_replaces_files_whatever_the_flush_timing(kafka_
     keys = [(r["_partition"], r["_offset"]) for r in rows]
     assert len(keys) == len(set(keys)), "a row was written twice"
     assert sorted(r["value"] for r in rows if r["group_id"] == run_id) == [float(i) for i in range(12)]
+
+
+def test_columns_are_typed_from_the_avro_schema_whatever_a_flush_holds(tmp_path):
+    """A flush whose rewards all have a null turn and one whose turns are numbers make one readable dataset."""
+    from connectors.parquet_sink import arrow_schema, flatten
+    from forge_stream.kafka.consumer import Event
+
+    def reward(i, turn):
+        record = {"event_id": f"r{i}", "event_time": i, "group_id": "g", "task_id": "t", "session_id": "s",
+                  "kind": "total", "name": "composite", "value": 0.5, "turn": turn, "source": "processors",
+                  "metadata": {}}
+        return Event(TOPICS.rewards.name, 0, i, "g", "Reward", record, i)
+
+    for name, turns in (("a", [None, None]), ("b", [3, 4])):
+        rows = [flatten(reward(i, t)) for i, t in enumerate(turns)]
+        pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("Reward")), tmp_path / f"{name}.parquet")
+    table = ds.dataset(tmp_path, format="parquet").to_table()
+    assert sorted(table.column("turn").to_pylist(), key=str) == [3, 4, None, None]
+    assert table.schema.field("turn").type == pa.int32() and table.schema.field("metadata").type == pa.string()
