@@ -8,8 +8,8 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
   `forge-stream processors run` (--gamma, --advantage, --group-timeout-s) and passed in TopologyConfig.
 - agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state and
   publishes what the fold returns. The state lives in the `groups` table (memory store, rebuilt from its
-  compacted changelog topic on restart) as a small header per group and one entry per record the group holds
-  (forge_stream.processors.store), so an event writes its own record and the header, never the whole group. Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
+  compacted changelog topic on restart), one whole value per group (forge_stream.processors.store.WholeGroups;
+  the split GroupStore, a header plus one entry per record, is not deployed yet: see its docstring). Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
 - timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
   the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
   `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
@@ -39,7 +39,7 @@ from forge_stream.events.claims import CLAIM_OVER_BYTES, ClaimStore, claim_recor
 from forge_stream.kafka.consumer import dead_letter
 from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expire, fold
 from forge_stream.processors.groups import due
-from forge_stream.processors.store import GroupStore, is_entry
+from forge_stream.processors.store import WholeGroups, is_entry
 from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
 
 INPUTS = (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
@@ -75,7 +75,7 @@ def build_app(config: TopologyConfig) -> faust.App:
     timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, **RAW)
     outputs = {t.name: app.topic(t.name, **RAW) for t in OUTPUTS}
     groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str)
-    store = GroupStore(groups, groups)  # headers and entries share one table: one changelog to restore
+    store = WholeGroups(groups)  # GroupStore (a header plus entries) is not deployed yet: see its docstring
     lock = asyncio.Lock()
 
     claims = ClaimStore(config.claim_store or str(Path(config.data_dir).resolve() / "claims"))

@@ -89,3 +89,23 @@ class GroupStore:
                     count += 1
         header = {k: v for k, v in state.items() if k not in PARTS}
         self.headers[group_id] = {**header, "entries": count}
+
+
+class WholeGroups:
+    """The same interface over one value per group (the whole state), as the topology runs today: the split
+    store above is not deployed yet, because the topology's restart test (SIGKILL, restore from the changelog)
+    failed in 2 of 4 runs with it (a restore that never finished; a group missing its earlier records), never
+    without it."""
+
+    def __init__(self, table: MutableMapping):
+        self.table = table
+
+    def load(self, group_id: str) -> tuple[dict | None, Snapshot]:
+        return self.table.get(group_id), {}
+
+    def save(self, group_id: str, state: dict | None, snapshot: Snapshot) -> None:
+        if state is None:
+            self.table.pop(group_id, None)
+        else:
+            self.table[group_id] = state
+
