@@ -63,3 +63,17 @@ def fake_vllm(model_dir, *args: str) -> Iterator[str]:
     with http_process([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port), *args],
                       port) as url:
         yield url
+
+
+def until(probe: Callable[[], object], timeout: float, what: str | Callable[[], str] | None = None):
+    """`probe()`'s first truthy value, polled every 0.5 s; AssertionError after `timeout` saying `what` (or, without
+    it, the probe's last value)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.5)
+    said = what() if callable(what) else what if what is not None else f"last: {probe()}"
+    raise AssertionError(f"{said}: not within {timeout:.0f}s")
+

@@ -22,6 +22,7 @@ Given `--bootstrap-servers`, it writes one group with a fresh id and counts only
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import sys
@@ -181,11 +182,7 @@ def _train_child(sample_path: str, model_dir: str, results) -> None:
     results.put({"train_step_s": round(time.perf_counter() - start, 1), "loss": stats.loss,
                  "grad_norm": stats.grad_norm, "micro_batches": stats.micro_batches,
                  "train_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                 "trained": stats.loss_tokens > 0 and all(map(_finite, (stats.loss, stats.grad_norm)))})
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+                 "trained": stats.loss_tokens > 0 and all(map(math.isfinite, (stats.loss, stats.grad_norm)))})
 
 
 def _p50(values: list[float]) -> float | None:

@@ -12,6 +12,7 @@ import httpx
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.services import ServiceSpec, Supervisor, _alive
+from helpers import until
 
 
 def _env(tmp_path, **extra) -> dict:
@@ -29,16 +30,6 @@ def cli(env, *args, check=True):
 
 def services(env, bootstrap) -> dict:
     return json.loads(cli(env, "status", "-b", bootstrap, "--json").stdout)["services"]
-
-
-def until(probe, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout:.0f}s; last: {probe()}")
 
 
 def test_killed_service_is_restarted_and_status_says_why(kafka_bootstrap, tmp_path):

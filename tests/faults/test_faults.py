@@ -38,22 +38,13 @@ from forge_stream.topics import TOPICS
 
 from fault_checks import SOURCES, bounds, drain, events, inject_poison, recompute
 from fault_agents import Traffic
+from helpers import until
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_ID = re.compile(r"(req-\d+): ")
 VICTIMS = ("gateway", "processors", "trainer", "engine", "broker")
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(900)]  # about 4 minutes on 2 idle cores; more when loaded
-
-
-def until(probe, timeout: float, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what() if callable(what) else what}: not within {timeout:.0f}s")
 
 
 def dead_letters(bootstrap: str) -> dict[tuple[str, int, int], set[str]]:
