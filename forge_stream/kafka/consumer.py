@@ -149,15 +149,18 @@ class Watermarks:
 
 class DecodingConsumer:
     """Poll decoded events from catalog topics (subscribed, in a consumer group). Every record polled, event or
-    dead letter, moves `marks`; commits are explicit (`commit()`: what `marks` allows)."""
+    dead letter, moves `marks`; commits are explicit (`commit()`: what `marks` allows). `caught_up` says whether
+    it has read every partition it was assigned up to the end (as read_committed sees it) since the assignment."""
 
     def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
                  producer: EventProducer | None = None, **config):
         self.name = name
         self.marks = Watermarks()
         self._topics = {t.name: t for t in topics}
-        self._consumer = Consumer(consumer_config(bootstrap, group_id, **config))
-        self._consumer.subscribe(list(self._topics))
+        self._consumer = Consumer(consumer_config(bootstrap, group_id, **{"enable.partition.eof": True, **config}))
+        self._assigned: set[tuple[str, int]] = set()
+        self._at_end: set[tuple[str, int]] = set()
+        self._consumer.subscribe(list(self._topics), on_assign=self._on_assign, on_revoke=self._on_revoke)
         self._owns_producer = producer is None
         self._producer = producer or EventProducer(bootstrap)
         self.dead_letters = 0
@@ -171,7 +174,8 @@ class DecodingConsumer:
                 return None
             if msg.error():
                 if msg.error().code() == KafkaError._PARTITION_EOF:
-                    return None
+                    self._at_end.add((msg.topic(), msg.partition()))
+                    continue
                 if msg.error().retriable() or msg.error().code() in WAIT_ERRORS:
                     log.warning("consumer %s: %s; waiting for Kafka", self.name, msg.error())
                     return None
@@ -190,7 +194,21 @@ class DecodingConsumer:
     @property
     def assigned(self) -> bool:
         """Whether the group gave this consumer any partition yet."""
-        return bool(self._consumer.assignment())
+        return bool(self._assigned)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether it reached the end of every partition it holds since they were assigned (what a record of one
+        partition says about order can only be trusted once the others have been read up to now as well)."""
+        return bool(self._assigned) and self._assigned <= self._at_end
+
+    def _on_assign(self, consumer, partitions) -> None:
+        self._assigned = {(tp.topic, tp.partition) for tp in partitions}
+        self._at_end.clear()
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self._assigned.clear()
+        self._at_end.clear()
 
     def _reject(self, msg, error: str) -> None:
         record = dead_letter(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), error, self.name)

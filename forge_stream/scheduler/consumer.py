@@ -24,6 +24,11 @@ Skips. The window never waits on a group that cannot come: a GroupSkipped (forge
 once. A group that neither trains nor is skipped upstream is skipped after `group_timeout_s`, counted from the
 Task's event time (or from when it was written to Kafka, if later), so a restart does not restart the clock.
 
+Order. Nothing is handed out before the consumer has read each partition it holds up to its end since it was
+assigned: Tasks and samples are keyed by group, so an older group's Task may sit in a partition that is read
+after a younger group's Task and sample, and handing the younger one out first would break the FIFO (and, after
+a restart, leave the older group neither queued nor skipped until its Task was read).
+
 Window basis. `SchedulerSettings.window` is a WindowSpec. A fraction applies to `rollout_slots` (the
 rollout concurrency, as in the benchmark) when it is set, otherwise to the current queue (groups submitted
 and not yet consumed).
@@ -150,13 +155,11 @@ class WindowedConsumer:
         self._seq_of: dict[str, int] = {}
         self._samples: dict[int, Event] = {}
         self._records_of: dict[str, list[tuple[str, int, int]]] = {}
-        self._caught_up = False
 
     def poll(self, timeout: float) -> bool:
         """Ingest at most one event; False when nothing arrived."""
         event = self._source.poll(timeout)
         if event is None:
-            self._caught_up = self._caught_up or (timeout > 0 and self._source.assigned)
             return False
         group = event.record["group_id"]
         if group in self.retired:
@@ -178,13 +181,14 @@ class WindowedConsumer:
         while True:
             self._expire()
             self._core.window = self._window()
-            if self._core.available() >= self.settings.batch_size:
+            if self._source.caught_up and self._core.available() >= self.settings.batch_size:
                 batch = self._take(trainer_version, self.settings.batch_size)
                 if batch is not None:
                     return batch
                 continue
             if now_ms() >= deadline:
-                return self._take(trainer_version, self.settings.batch_size) if partial else None
+                return self._take(trainer_version, self.settings.batch_size) if partial and self._source.caught_up \
+                    else None
             if self.poll(self.settings.poll_s):
                 while self.poll(0):
                     pass
@@ -297,7 +301,7 @@ class WindowedConsumer:
         goes on with the clock instead of starting it again. Nothing expires before the consumer has caught up
         with its inputs (a poll found nothing), so a restart does not skip a group whose sample waits unread.
         """
-        if not self._caught_up:
+        if not self._source.caught_up:
             return
         limit = now_ms() - self.settings.group_timeout_s * 1000
         while (seq := self._core.frontier) is not None and seq in self._tasks:

@@ -1,5 +1,7 @@
 """The windowed consumer on the real broker: window order, offsets, timeouts, staleness, SIGKILL and restart."""
 
+import base64
+import json
 import os
 import random
 import signal
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from forge_stream.kafka.consumer import consumer_config
+from forge_stream.kafka.consumer import consumer_config, dead_letter
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.consumer import (
@@ -271,6 +273,36 @@ def test_the_group_timeout_goes_on_across_a_restart(kafka_bootstrap, run_id):
     assert time.monotonic() - submitted >= 5.9, "skipped before its timeout"
     assert time.monotonic() - started < 5, "the clock started again at the restart"
     restarted.close()
+
+
+def test_strict_fifo_holds_from_the_first_batch_whatever_partition_is_read_first(kafka_bootstrap, run_id):
+    """Tasks and samples are keyed by group, so they spread over partitions; a consumer that has read one partition
+    but not yet another must not hand out a younger group whose older neighbour's Task it has not seen. (This is
+    how the restart test above once failed in CI: after the restart group 1 was handed out before group 0's Task
+    was read, so group 0 was neither queued nor skipped.)"""
+    n = 24
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1))
+    # A backlog ahead of group 0's Task on its partition (big Tasks of groups this scheduler already retired), so
+    # that partition takes several fetches while the others arrive in the first.
+    producer = EventProducer(kafka_bootstrap)
+    for i in range(4):
+        filler = f"{run_id}-filler{i}"
+        big = {**task(run_id, 1000 + i), "group_id": filler,
+               "prompt_json": json.dumps({"blob": base64.b64encode(os.urandom(500_000)).decode()})}
+        producer.produce(TOPICS.tasks, group_id(run_id, 0), big)  # keyed like group 0: the same partition
+        producer.produce(TOPICS.dlq, filler, dead_letter(TOPICS.tasks.name, 0, i, None, None, "test backlog",
+                                                         settings.name))
+    producer.close()
+    produce(kafka_bootstrap, [task(run_id, s) for s in range(n)], [sample(run_id, s) for s in range(n)])
+    for attempt in range(3):  # each consumer starts from the committed offsets: nothing trained, all re-read
+        consumer = WindowedConsumer(settings)
+        first = consumer.next_batch(0, 20)
+        assert first.group_ids == [group_id(run_id, 0)], f"attempt {attempt}: {first.group_ids} handed out first"
+        consumer.close()
+    consumer, trainer = WindowedConsumer(settings), CountingTrainer()
+    steps = consumer.run(trainer, steps=n, wait_s=20)
+    assert [r["group_ids"][0] for r in steps] == [group_id(run_id, s) for s in range(n)]
+    consumer.close()
 
 
 def test_a_sample_claim_is_redeemed_when_handed_over_and_a_lost_payload_skips_its_group(kafka_bootstrap, run_id,
