@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,7 +138,24 @@ def build_app(config: TopologyConfig) -> faust.App:
     return app
 
 
+class _RetriedCoordinatorLookups(logging.Filter):
+    """aiokafka logs a retried group-coordinator lookup at ERROR ("Group Coordinator Request failed:
+    GroupCoordinatorNotAvailableError"), which is what every start against a fresh broker sees while the broker
+    loads its coordinator; it then retries. Such a record is a WARNING that says so; other errors stay errors."""
+
+    RETRIED = ("CoordinatorNotAvailable", "CoordinatorLoadInProgress", "NotCoordinator")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and any(name in record.getMessage() for name in self.RETRIED):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = f"{record.getMessage()} (the broker is still electing or loading the " \
+                                      "group coordinator; retrying)", ()
+        return True
+
+
 def run_worker(config: TopologyConfig, loglevel: str = "info") -> None:
     """Run the topology in this process until it is stopped (SIGTERM/SIGINT)."""
+    for name in ("aiokafka.consumer.group_coordinator", "aiokafka.producer.sender"):
+        logging.getLogger(name).addFilter(_RetriedCoordinatorLookups())
     app = build_app(config)
     faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
