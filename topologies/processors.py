@@ -22,7 +22,9 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
 Delivery: at-least-once. Agents run at concurrency 1 and share one lock, so a group is never folded by both
 at once. A group's outputs are acknowledged by Kafka *before* its closed marker is written to the table, so
 a crash either left the group open (a replay closes it again and re-emits identical records: same ids,
-same content) or already published everything. Consumers downstream deduplicate on event_id.
+same content) or already published everything. Consumers downstream deduplicate on event_id. Offsets are
+committed only once every table write before them was handed to the Kafka client and acknowledged
+(`_DrainingBuffer` fixes faust's producer-buffer flush, which could return with writes still queued).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class TopologyConfig:
 
 
 def build_app(config: TopologyConfig) -> faust.App:
+    _DrainingBuffer.install()
     app = faust.App(
         config.app_id, broker=f"kafka://{config.bootstrap}", store="memory://", datadir=str(config.data_dir),
         topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=config.replication_factor,
@@ -136,6 +139,43 @@ def build_app(config: TopologyConfig) -> faust.App:
                                     partition=state["partition"])
 
     return app
+
+
+class _DrainingBuffer:
+    """A fix for faust-streaming 0.15's ProducerBuffer.flush, which returns as soon as no message was sent for
+    0.1 s, with messages still queued. The consumer commits offsets right after that flush
+    (Consumer._commit_offsets: producer.flush(), then commit), and table changelog writes wait in that buffer
+    (Table.__setitem__ -> send_soon). So on a loaded machine a commit could pass events whose state had not
+    reached the changelog yet, and a SIGKILL then lost that state for good. Installed by `install()`: flush
+    waits until the buffer is empty and the message being handed to the Kafka client has been handed over
+    (the client's own flush, which faust runs next, then waits for its acknowledgement)."""
+
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        from faust.transport.producer import ProducerBuffer
+
+        if cls.installed:
+            return
+        send_pending = ProducerBuffer._send_pending
+
+        async def counted_send(self, fut) -> None:
+            self._forge_in_flight = getattr(self, "_forge_in_flight", 0) + 1
+            try:
+                await send_pending(self, fut)
+            finally:
+                self._forge_in_flight -= 1
+
+        async def flush(self) -> None:
+            while self.size or getattr(self, "_forge_in_flight", 0):
+                if self.state != "running" and self.size:
+                    raise RuntimeError("cannot flush: the producer buffer stopped with messages queued")
+                await asyncio.sleep(0.005)
+
+        ProducerBuffer._send_pending = counted_send
+        ProducerBuffer.flush = flush
+        cls.installed = True
 
 
 class _RetriedCoordinatorLookups(logging.Filter):
