@@ -54,6 +54,15 @@ class ServiceSpec:
         return cls(name, [sys.executable, "-m", module, *args], **kw)
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of a live process (Linux /proc), None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+
+
 def _alive(pid: int | None) -> bool:
     if pid is None:
         return False
@@ -130,8 +139,9 @@ class Supervisor:
         if not _alive(pid):
             return None
         try:
-            if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return None  # the pid was reused
+            if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes() \
+                    and _parent_of(pid) != os.getpid():
+                return None  # the pid was reused (a child of ours is the supervisor between its fork and its exec)
         except FileNotFoundError:
             pass
         return pid

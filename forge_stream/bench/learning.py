@@ -45,7 +45,7 @@ class LearningSettings:
     rl_minutes: float = 15.0
     loss: str = "cispo"
     lr: float = 1e-4
-    updates_per_batch: int = 1  # optimizer updates per batch (sample reuse)
+    updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)
     subgoal_reward: float = 0.0  # weight of the tool_result_answers process rule (0: off)
     advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
@@ -53,7 +53,7 @@ class LearningSettings:
     concurrency: int = 64  # sessions in flight
     agent_workers: int = 2
     heldout_tasks: int = 200
-    mix: str = "reasoning=1,agent=2,lookup=1"
+    mix: str = "reasoning=1,agent=1,lookup=1"
     seed: int = 0
     sft_steps: int = 600
     sft_examples: int = 600

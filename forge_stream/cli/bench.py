@@ -138,7 +138,7 @@ def learning(
     rl_minutes: float = typer.Option(15.0, help="Wall-clock budget of the RL phase."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
-    updates_per_batch: int = typer.Option(1, help="Optimizer updates per batch (sample reuse)."),
+    updates_per_batch: int = typer.Option(4, help="Optimizer updates per batch (sample reuse)."),
     subgoal_reward: float = typer.Option(0.0, help="Weight of the process rule rewarding a tool call that returned "
                                                    "the task's answer (tool_result_answers; 0: off)."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
@@ -146,7 +146,7 @@ def learning(
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
     concurrency: int = typer.Option(64, help="Sessions in flight."),
     heldout_tasks: int = typer.Option(200, help="Held-out tasks per evaluation."),
-    mix: str = typer.Option("reasoning=1,agent=2,lookup=1", help="Domain weights of the suite."),
+    mix: str = typer.Option("reasoning=1,agent=1,lookup=1", help="Domain weights of the suite."),
     sft_steps: int = typer.Option(600, help="Warm-start SFT steps."),
     seed: int = typer.Option(0, help="Seed of the task streams and the warm start."),
     bootstrap_servers: Optional[str] = typer.Option(None, "--bootstrap-servers", "-b",

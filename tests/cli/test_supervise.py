@@ -83,3 +83,20 @@ def test_service_that_dies_at_once_is_crash_looping(kafka_bootstrap, tmp_path):
     finally:
         supervisor.stop_all()
     assert supervisor.daemon_pid() is None
+
+
+def test_the_supervisor_being_started_is_not_taken_for_a_reused_pid(tmp_path):
+    """Between its fork and its exec the supervisor's command line is still its parent's; `up` once reported
+    "the supervisor ... is not running" (with an empty log) in that window under load. A child of ours counts
+    as the supervisor then; another process under the pid file's pid still counts as a reused pid."""
+    supervisor = Supervisor(tmp_path / "run")
+    supervisor.run_dir.mkdir(parents=True)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # our child, not yet 'exec'd'
+    try:
+        supervisor.write_pid(child.pid)
+        assert supervisor.daemon_pid() == child.pid
+    finally:
+        child.kill()
+        child.wait()
+    supervisor.write_pid(1)  # alive, not ours, not a supervisor: a pid reused since the file was written
+    assert supervisor.daemon_pid() is None
