@@ -3,6 +3,7 @@
 import typer
 
 from forge_stream.cli import bench
+from forge_stream.cli import claims
 from forge_stream.cli import eval
 from forge_stream.cli import engine
 from forge_stream.cli import gateway
@@ -31,6 +32,7 @@ app.add_typer(topics.app, name="topics")
 app.add_typer(schemas.app, name="schemas")
 app.add_typer(processors.app, name="processors")
 app.add_typer(bench.app, name="bench")
+app.add_typer(claims.app, name="claims")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(rollout.app, name="rollout")
 app.add_typer(sink.app, name="sink")

@@ -16,14 +16,17 @@ and emits an identical claim.
 
 The store is any fsspec URL: a local directory by default (`FORGE_HOME/claims`, for one host), or an object
 store every host can reach for a cluster (`s3://bucket/prefix` with s3fs, `gs://`, ...). Objects must be kept as
-long as forge.samples keeps the claims (30 days) for replays to find them.
+long as forge.samples keeps the claims (30 days) for replays to find them; `ClaimStore.collect` (`forge-stream
+claims gc`) deletes the payloads no claim on the topic names any more, once older than a grace period.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 
 import fsspec
 
@@ -59,6 +62,45 @@ class ClaimStore:
                 out.write(payload)
             self.fs.mv(partial, path)
         return Claim(uri=self.fs.unstrip_protocol(path), sha256=sha, size_bytes=len(payload))
+
+
+    def collect(self, referenced: set[str], grace_s: float = 86400.0, dry_run: bool = False,
+                now: float | None = None) -> "Collected":
+        """Delete the payloads whose hash no claim names any more (forge.samples' retention dropped their claims),
+        and unfinished writes, once older than `grace_s`: a payload is stored before its claim is published, so a
+        young unreferenced one may be about to be claimed. `dry_run` only counts."""
+        now = time.time() if now is None else now
+        deleted = deleted_bytes = kept = 0
+        for info in self.fs.find(self.root, detail=True).values():
+            name = info["name"].rsplit("/", 1)[-1]
+            partial = name.endswith(".partial")
+            if not partial and name in referenced:
+                kept += 1
+                continue
+            modified = _modified(info)
+            if modified is None or now - modified < grace_s:
+                kept += 1
+                continue
+            if not dry_run:
+                self.fs.rm(info["name"])
+            deleted += 1
+            deleted_bytes += int(info.get("size") or 0)
+        return Collected(deleted, deleted_bytes, kept)
+
+
+@dataclass(frozen=True)
+class Collected:
+    deleted: int
+    deleted_bytes: int
+    kept: int  # still referenced, or too young to tell
+
+
+def _modified(info: dict) -> float | None:
+    """An fsspec entry's modification time in epoch seconds (local: mtime; object stores: LastModified)."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value) if value is not None else None
 
 
 def fetch(uri: str, sha256: str) -> bytes:
