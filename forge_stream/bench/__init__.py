@@ -24,8 +24,8 @@ def bench_kafka(bootstrap: str | None, workdir: Path):
         return
     broker = LocalBroker(BrokerConfig(workdir / "kafka", ForgeSettings().cache_dir, port=free_port(),
                                       controller_port=free_port()))
-    started = broker.start(echo=lambda *_: None)
-    try:
+    try:  # stopped even when the run ends while the broker still starts (a SIGTERM: see forge_stream.cli.bench)
+        started = broker.start(echo=lambda *_: None)
         create_topics(started)
         yield started
     finally:

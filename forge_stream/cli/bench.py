@@ -11,6 +11,16 @@ from forge_stream.cli.options import JsonOption
 app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON object.")
 
 
+@app.callback()
+def _stop_cleanly_on_sigterm() -> None:
+    """A benchmark starts its own broker and services and stops them in `finally`; SIGTERM (a `kill`, a CI
+    timeout) ends Python without running it, leaving them behind. Made a SystemExit, it unwinds like Ctrl-C."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def emit(result: dict, as_json: bool) -> None:
     """Print a benchmark result: compact JSON for scripts, indented for people."""
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
@@ -148,6 +158,7 @@ def learning(
     heldout_tasks: int = typer.Option(200, help="Held-out tasks per evaluation."),
     mix: str = typer.Option("reasoning=1,agent=1,lookup=1", help="Domain weights of the suite."),
     sft_steps: int = typer.Option(600, help="Warm-start SFT steps."),
+    sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
     seed: int = typer.Option(0, help="Seed of the task streams and the warm start."),
     bootstrap_servers: Optional[str] = typer.Option(None, "--bootstrap-servers", "-b",
                                                     help="An external cluster (default: the bench's own broker)."),
@@ -162,5 +173,6 @@ def learning(
                               subgoal_reward=subgoal_reward,
                               advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                               concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,
+                              sft_examples=sft_examples,
                               seed=seed, bootstrap=bootstrap_servers, home=home, plot=plot),
              progress=lambda line: typer.echo(line, err=True)), as_json)

@@ -1,0 +1,43 @@
+"""A benchmark ended by SIGTERM (a `kill`, a CI timeout) stops the broker and services it started."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def java_brokers_under(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"java" in cmdline and marker.encode() in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def test_sigterm_stops_the_benchmarks_own_broker(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's broker lives in a temporary dir under tmp_path
+    bench = subprocess.Popen([sys.executable, "-m", "forge_stream", "bench", "processors", "--groups", "100000",
+                              "--json"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        until(lambda: java_brokers_under(str(tmp_path)), 120)
+        time.sleep(3)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=90) == 128 + signal.SIGTERM
+        assert until(lambda: not java_brokers_under(str(tmp_path)), 60), "the bench left its broker running"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in java_brokers_under(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
