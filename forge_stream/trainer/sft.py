@@ -61,24 +61,10 @@ def render_turns(tokenizer, messages: list[dict], tools: list[dict] = TOOLS) -> 
     return turns
 
 
-DEMO_STREAM = 1_000_003  # demonstrations come from training-split stream seed + DEMO_STREAM (see demonstrations)
-
-
 def demonstrations(tokenizer, settings: SftSettings) -> list[list[Turn]]:
-    """The teacher's conversations for `examples` training tasks, rendered as the engine renders prompts.
-
-    The tasks come from a training-split stream of their own (seed + DEMO_STREAM), not the `suite:train?seed=S`
-    stream RL iterates: a warm start memorizes its demonstrations (600 steps of 16 over 600 tasks), and RL on those
-    same tasks first finds groups that all succeed, which carry no advantage. Before this, the first ~600 groups of
-    every `bench learning` run (about half its 15 minutes) were the memorized demonstrations.
-    """
-    return [render_turns(tokenizer, demonstration(t.prompt, t.domain)) for t in demo_tasks(settings)]
-
-
-def demo_tasks(settings: SftSettings) -> list:
-    """The training tasks the teacher demonstrates (see `demonstrations`)."""
-    return make_tasks("train", settings.examples, seed=settings.seed + DEMO_STREAM, mix=settings.mix,
-                      difficulty=settings.difficulty)
+    tasks = make_tasks("train", settings.examples, seed=settings.seed, mix=settings.mix,
+                       difficulty=settings.difficulty)
+    return [render_turns(tokenizer, demonstration(t.prompt, t.domain)) for t in tasks]
 
 
 def sft_loss(model: torch.nn.Module, batch: list[list[Turn]]) -> torch.Tensor:
