@@ -23,7 +23,7 @@ from forge_stream.settings import ForgeSettings
 from forge_stream.topics import TOPICS
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))
-from helpers import serving  # noqa: E402
+from helpers import serving, until  # noqa: E402
 from scheduler_records import group_id, sample, task  # noqa: E402
 
 pytestmark = pytest.mark.kafka
@@ -42,7 +42,12 @@ def cluster(tmp_path_factory):
 
 def test_the_catalog_is_replicated_three_ways_with_two_in_sync(cluster):
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
-    metadata = admin.list_topics(timeout=10)
+
+    def every_topic_known():  # the broker that answers may learn of just-created topics a moment after the controller
+        metadata = admin.list_topics(timeout=10)
+        return metadata if all(t.name in metadata.topics for t in TOPICS.all()) else None
+
+    metadata = until(every_topic_known, 30, lambda: f"topics known: {sorted(admin.list_topics(timeout=10).topics)}")
     assert len(metadata.brokers) == 3
     for topic in TOPICS.all():
         partitions = metadata.topics[topic.name].partitions
