@@ -2,9 +2,9 @@
 stats out; no Kafka).
 
 Each TrainSample is one group's prefix tree. A group larger than `token_budget` unique rows is split into runs
-of its sequences whose tries fit (`split_sequences`); `micro_batches` takes consecutive trees (or parts) up to
-the budget; their sequences are re-packed into one trie, so what groups share (system prompt, tool definitions)
-is computed once, and it runs through the model once, the LM head on the completion rows only
+of its sequences whose tries fit (`split_sequences`; a longer path runs whole, with every turn it contains);
+`micro_batches` takes consecutive trees (or parts) up to the budget; their sequences are re-packed into one trie,
+so what groups share (system prompt, tool definitions) is computed once, and it runs through the model once, the LM head on the completion rows only
 (`path_logprobs`). Each sequence's completion log-probs meet its recorded rollout log-probs and advantage in the
 loss. The loss is normalised by the completion tokens of the whole step, so micro-batching and splitting leave
 the gradient unchanged, and so does data parallelism: under torch.distributed (`train_step(..., ranks=...)`,
@@ -26,7 +26,7 @@ from typing import Literal, Protocol, Sequence
 import torch
 
 from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
-from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs
+from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs, subtree
 from forge_stream.tree.logprobs import path_logprobs
 
 
@@ -119,35 +119,50 @@ def micro_batches(trees: Sequence[PackedTree], token_budget: int) -> list[list[i
 
 
 def split_sequences(tree: PackedTree, token_budget: int) -> list[list[int]]:
-    """The tree's sequence indices cut into consecutive runs whose re-packed tries fit `token_budget` rows.
+    """The tree's sequence indices cut into runs whose tries fit `token_budget` rows, each run in index order.
 
-    A run's trie has at most the rows of the union of its paths, which is what is counted. One path longer than
-    the budget still goes alone and whole: its tokens need all of their prefix in the same forward pass.
+    A run's trie has the rows of the union of its paths, which is what is counted. A path longer than the budget
+    must run whole (its tokens need all of their prefix in the same forward pass), so the run it opens may grow to
+    that path's length: the turns of a long session, each a prefix of the next, all join the run of the last one
+    and cost no row twice. Longest paths first, each sequence goes to the run it adds the fewest rows to (the
+    first such), or opens one.
 
     >>> split_sequences(pack([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7]]), 4)
     [[0, 1], [2, 3]]
+    >>> split_sequences(pack([[1, 2], [1, 2, 3, 4], [1, 2, 3], [9, 9]]), 3)  # 0 and 2 ride on 1's path
+    [[0, 1, 2], [3]]
     """
     if tree.num_rows <= token_budget:
         return [list(range(tree.num_sequences))]
-    taken = torch.zeros(tree.num_rows, dtype=torch.bool)
+    lengths = tree.lengths
+    taken: list[torch.Tensor] = []  # rows of each run's trie
+    rows: list[int] = []
+    caps: list[int] = []
     runs: list[list[int]] = []
-    rows = 0
-    for i, path in enumerate(tree.paths):
-        new = int((~taken[path]).sum())
-        if runs and rows + new <= token_budget:
-            runs[-1].append(i)
-            rows += new
-        else:
-            taken.zero_()
-            runs.append([i])
-            rows = len(path)
-        taken[path] = True
-    return runs
+    for i in sorted(range(tree.num_sequences), key=lambda i: -lengths[i]):
+        path = tree.paths[i]
+        best: tuple[int, int] | None = None  # (new rows, run)
+        for r, mask in enumerate(taken):
+            new = int((~mask[path]).sum())
+            if rows[r] + new <= caps[r] and (best is None or new < best[0]):
+                best = (new, r)
+        if best is None:
+            taken.append(torch.zeros(tree.num_rows, dtype=torch.bool))
+            rows.append(0)
+            caps.append(max(token_budget, lengths[i]))
+            runs.append([])
+            best = (lengths[i], len(runs) - 1)
+        new, r = best
+        taken[r][path] = True
+        rows[r] += new
+        runs[r].append(i)
+    return sorted(sorted(run) for run in runs)
 
 
 def micro_batch_plan(samples: Sequence[dict], token_budget: int) -> list[tuple[PackedTree, list[dict]]]:
-    """Each micro-batch's re-packed trie and the sequence refs of its paths, in order: the samples' trees, the
-    larger ones split by `split_sequences`, grouped by `micro_batches`."""
+    """Each micro-batch's trie and the sequence refs of its paths, in order: the samples' trees, the larger ones
+    split by `split_sequences` (each run's sub-trie cut out of the tree, `subtree`), grouped by `micro_batches`;
+    a micro-batch of several trees is re-packed into one trie (what groups share is computed once)."""
     parts: list[tuple[PackedTree, list[dict]]] = []
     for sample in samples:
         tree = sample_tree(sample)
@@ -156,10 +171,10 @@ def micro_batch_plan(samples: Sequence[dict], token_budget: int) -> list[tuple[P
             parts.append((tree, list(sample["sequences"])))
             continue
         for run in runs:
-            part = pack([tree.sequence_tokens(i).tolist() for i in run])
-            parts.append((part, [sample["sequences"][i] for i in run]))
+            parts.append((subtree(tree, run), [sample["sequences"][i] for i in run]))
     return [
-        (repack([parts[i][0] for i in batch]), [ref for i in batch for ref in parts[i][1]])
+        (parts[batch[0]][0] if len(batch) == 1 else repack([parts[i][0] for i in batch]),
+         [ref for i in batch for ref in parts[i][1]])
         for batch in micro_batches([tree for tree, _ in parts], token_budget)
     ]
 

@@ -192,6 +192,35 @@ def repack(trees: Sequence[PackedTree]) -> PackedTree:
     return pack([t.token_ids[path].tolist() for t in trees for path in t.paths])
 
 
+def subtree(tree: PackedTree, sequences: Sequence[int]) -> PackedTree:
+    """The tree restricted to the rows of the given sequences' paths, those sequences in the given order.
+
+    The kept rows are closed under ancestors, so in the tree's DFS pre-order they are the sub-trie's own pre-order
+    and every row keeps its depth; everything is derived with tensor ops (O(U)), no token list is rebuilt. It is
+    the trie `pack` would build of those sequences, up to the order of siblings.
+
+    >>> t = subtree(pack([[1, 2, 3], [1, 4], [1, 2, 5]]), [2, 1])
+    >>> t.token_ids.tolist(), t.parent_row.tolist(), t.subtree_end.tolist(), [p.tolist() for p in t.paths]
+    ([1, 2, 5, 4], [-1, 0, 1, 0], [3, 2, 2, 3], [[0, 1, 2], [0, 3]])
+    """
+    if not sequences:
+        raise ValueError("subtree() needs at least one sequence")
+    keep = torch.zeros(tree.num_rows, dtype=torch.bool)
+    for i in sequences:
+        keep[tree.paths[i]] = True
+    new_index = torch.cumsum(keep, 0) - 1  # a kept row's index in the sub-trie
+    parent = tree.parent_row[keep]
+    return PackedTree(
+        token_ids=tree.token_ids[keep],
+        position_ids=tree.position_ids[keep],
+        # a kept row's kept descendants are the kept rows of its old subtree range, contiguous in the new order
+        subtree_end=new_index[tree.subtree_end[keep]],
+        parent_row=torch.where(parent >= 0, new_index[parent.clamp(min=0)], parent),
+        last_row=new_index[tree.last_row[list(sequences)]],
+        paths=tuple(new_index[tree.paths[i]] for i in sequences),
+    )
+
+
 def _finish(token_ids: list[int], depth: list[int], parent: list[int], paths: tuple) -> PackedTree:
     """Derive subtree ends (sizes accumulated bottom-up over rows in reverse order) and build the tree."""
     size = [1] * len(parent)

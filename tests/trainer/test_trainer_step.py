@@ -242,3 +242,36 @@ def test_a_group_over_the_token_budget_is_split_across_micro_batches_exactly():
     assert norms[0] == pytest.approx(norms[1], rel=1e-7) and norms[0] > 0.05
     for split, whole in zip(*weights):
         assert float((split - whole).abs().max()) < 1e-10
+
+
+def test_the_turns_of_a_session_longer_than_the_budget_share_its_longest_turns_pass():
+    """A long agent session's turns each extend the last, so they lie on one path. With a budget below that path's
+    length, they must not go to micro-batches of their own (each would run the whole prefix again, the square of
+    the turns): every turn rides on the pass of the longest, a second session gets its own, and the short turns
+    that context management left behind (another branch) theirs. The weights equal the unsplit step's (float64)."""
+    prompt = [5, 9, 2, 7, 1, 1]
+    body = [3, 8, 4, 4, 6, 2, 9, 9, 1, 5, 7, 3, 3, 8, 2, 6, 4]
+    session_a = [prompt + body[:k] for k in (3, 7, 12, 17)]  # each turn a prefix of the next
+    session_b = [prompt + [6] + body[:k] for k in (5, 16)]
+    summary = [prompt + [2, 2, 9], prompt + [2, 2, 9, 4, 1]]  # a restart after a summary: its own branch
+    sequences = session_a + summary + session_b
+    sample = _sample("long", sequences, [len(prompt) + 1] * len(sequences),
+                     [0.9, -0.3, 0.5, -0.8, 0.2, -0.4, 0.6, -0.1], 3, 11)
+    tree = sample_tree(sample)
+    assert tree.num_rows == 6 + 17 + 5 + 17 and max(tree.lengths) == 23
+    runs = split_sequences(tree, 16)
+    assert runs == [[0, 1, 2, 3], [4, 5], [6, 7]]  # each run is one path's rows: no row twice
+    plan = micro_batch_plan([sample], 16)
+    assert [forest.num_rows for forest, _ in plan] == [23, 11, 23]
+    for (forest, refs), run in zip(plan, runs):
+        assert [ref["completion_id"] for ref in refs] == [f"long-{i}" for i in run]
+        assert [forest.sequence_tokens(j).tolist() for j in range(len(run))] == [sequences[i] for i in run]
+    weights = []
+    for budget in (16, 10**6):
+        model = tiny_causal_lm("llama", dtype=torch.float64, seed=3)
+        config = StepConfig(lr=1e-2, token_budget=budget, chunk_rows=5, grad_clip=0.0)
+        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), [sample], config, 5)
+        assert stats.micro_batches == (3 if budget == 16 else 1) and stats.grad_norm > 0.01
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for split, whole in zip(*weights):
+        assert float((split - whole).abs().max()) < 1e-10
