@@ -3,11 +3,13 @@
 Three ways to attend over a packed tree (row q sees row k iff `k <= q <= subtree_end[k]`):
 
 * `ancestor` (CPU default): rows are cut into chunks [a, b). In DFS pre-order every key a row of the chunk
-  may see is either an ancestor of row a or a row of the chunk itself, so each chunk gathers K/V of
-  `ancestors(a) + [a, b)` and runs masked SDPA on that small block. Work is about sum(depth + chunk) over
-  rows, never U x U; a chunk's key rows and mask are derived when it runs, so memory beyond the activations
-  is one chunk's, at most chunk x (depth + chunk). A custom autograd function recomputes each chunk in
-  backward and scatters its K/V gradients into one buffer, so saved activations stay O(U) per layer.
+  may see is either an ancestor of row a or a row of the chunk itself. The ancestors every row of the chunk
+  sees (on a long path, the whole prefix) are attended without a mask by the CPU flash-attention kernel; the
+  others and the chunk's own rows with a small mask; the two parts merge exactly by their logsumexps. Work is
+  about sum(depth + chunk) over rows, never U x U; a chunk's key rows and mask are derived when it runs, so
+  memory beyond the activations is one chunk's. A custom autograd function keeps the output and logsumexp
+  (O(U) per layer) and runs the flash backward kernel per chunk and part, scattering K/V gradients into one
+  buffer.
 * `flex` (GPU default): `flex_attention` with a BlockMask built once per batch from the same predicate, compiled
   on CUDA. It also runs eagerly on CPU (dense, slow), which is how its logic is tested without a GPU.
 * `dense`: a 4D boolean U x U mask handed to the model's own SDPA; the reference in tests.
@@ -23,7 +25,6 @@ from functools import lru_cache
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from forge_stream.tree.pack import PackedTree
 
@@ -34,10 +35,23 @@ BLOCK_MASK_KWARG = "forge_tree_block_mask"
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Query rows [a, b) and their keys in two parts: `shared` rows every query row sees (the ancestors of a that
+    are ancestors of b - 1 too: on a long path, the whole prefix), attended without a mask; `rest` rows (the
+    other ancestors of a, then the chunk's own rows) with `visible` (b - a, len(rest))."""
+
+    a: int
+    b: int
+    shared: torch.Tensor | slice
+    rest: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AncestorPlan:
     """Chunks of query rows [a, b); each chunk's keys (the ancestors of its first row + its own rows) and their
     visibility for each query row are derived when the chunk runs (`chunks`), never stored: on one long path
-    they add up to about U^2 / 2 key rows, while one chunk's are at most chunk x (depth + chunk) booleans."""
+    they add up to about U^2 / 2 key rows, while one chunk's mask is at most chunk x (branch rows + chunk)."""
 
     starts: tuple[int, ...]
     num_rows: int
@@ -45,14 +59,22 @@ class AncestorPlan:
     position_ids: torch.Tensor  # (U,) CPU: a row's depth is its number of ancestors
     device: torch.device
 
-    def chunks(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """(a, b, key rows, visible (b - a, keys)) of each chunk, on the plan's device."""
+    def chunks(self) -> Iterator[Chunk]:
+        """Each chunk's key rows and masks, on the plan's device."""
         end = self.subtree_end
         for a, b in zip(self.starts, self.starts[1:] + (self.num_rows,)):
-            rows = torch.cat([torch.nonzero(end[:a] >= a).flatten(), torch.arange(a, b)])
+            ancestors = torch.nonzero(end[:a] >= a).flatten()
+            everyone = end[ancestors] >= b - 1  # an ancestor of a whose subtree holds the chunk's last row
+            shared = ancestors[everyone]
+            n = len(shared)
+            if n and int(shared[-1]) - int(shared[0]) + 1 == n:  # a run of rows (a path's prefix): a view, no gather
+                shared = slice(int(shared[0]), int(shared[0]) + n)
+            else:
+                shared = shared.to(self.device)
+            rest = torch.cat([ancestors[~everyone], torch.arange(a, b)])
             q_rows = torch.arange(a, b)
-            visible = (rows[None, :] <= q_rows[:, None]) & (end[rows][None, :] >= q_rows[:, None])
-            yield a, b, rows.to(self.device), visible.to(self.device)
+            visible = (rest[None, :] <= q_rows[:, None]) & (end[rest][None, :] >= q_rows[:, None])
+            yield Chunk(a, b, shared, rest.to(self.device), visible.to(self.device))
 
     @property
     def attended_pairs(self) -> int:
@@ -69,47 +91,80 @@ def ancestor_plan(packed: PackedTree, chunk_rows: int, device: torch.device) -> 
     return AncestorPlan(starts, packed.num_rows, packed.subtree_end, packed.position_ids, device)
 
 
-def _chunk_attention(q, k, v, visible, scaling, gqa):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+# The flash-attention kernels behind F.scaled_dot_product_attention on CPU, called directly because they also
+# return (and take back) each query row's logsumexp: the two key parts of a chunk are attended separately and
+# merged exactly, and backward reuses the saved output and logsumexp instead of recomputing the chunk. Both take
+# any GQA ratio (fewer key/value heads) and an additive float mask.
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _parts(chunk: Chunk, key: torch.Tensor, value: torch.Tensor):
+    """(key, value, additive mask or None) of each non-empty key part of the chunk, and where its rows are."""
+    shared = chunk.shared
+    if isinstance(shared, slice) or len(shared):
+        yield shared, key[:, :, shared], value[:, :, shared], None
+    mask = torch.zeros(chunk.visible.shape, dtype=key.dtype, device=key.device)
+    mask.masked_fill_(~chunk.visible, float("-inf"))
+    yield chunk.rest, key[:, :, chunk.rest], value[:, :, chunk.rest], mask
+
+
+def _chunk_forward(query, key, value, chunk: Chunk, scaling):
+    """(output, logsumexp) of the chunk's query rows over both key parts (merged by their logsumexps)."""
+    q = query[:, :, chunk.a:chunk.b]
+    out = lse = None
+    for _, k, v, mask in _parts(chunk, key, value):
+        o, l = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)
+        if out is None:
+            out, lse = o, l
+            continue
+        merged = torch.logaddexp(lse, l)
+        out = torch.exp(lse - merged)[..., None] * out + torch.exp(l - merged)[..., None] * o
+        lse = merged
+    return out, lse
+
+
+def _forward_chunks(query, key, value, plan: AncestorPlan, scaling):
+    """(1, H, U, D) output and (1, H, U) logsumexp of every row."""
+    out = torch.empty_like(query)
+    lse = query.new_empty(query.shape[:3], dtype=torch.promote_types(query.dtype, torch.float32))
+    for chunk in plan.chunks():
+        out[:, :, chunk.a:chunk.b], lse[:, :, chunk.a:chunk.b] = _chunk_forward(query, key, value, chunk, scaling)
+    return out, lse
 
 
 class _AncestorAttention(torch.autograd.Function):
-    """Chunked ancestor attention whose backward recomputes each chunk and scatters its K/V gradients into
-    one buffer (index_add_), so neither gathered K/V nor attention weights are kept, and no chunk creates a
-    U-sized gradient of its own."""
+    """Chunked ancestor attention that keeps its output and each row's logsumexp (O(U) per layer), so backward
+    runs the flash backward kernel on each key part with them, as flash attention does, never recomputing the
+    forward; K/V gradients are scattered into one buffer (index_add_), so no chunk creates a U-sized gradient."""
 
     @staticmethod
-    def forward(ctx, query, key, value, plan, scaling, gqa):
-        ctx.save_for_backward(query, key, value)
-        ctx.plan, ctx.scaling, ctx.gqa = plan, scaling, gqa
-        return _forward_chunks(query, key, value, plan, scaling, gqa)
+    def forward(ctx, query, key, value, plan, scaling):
+        out, lse = _forward_chunks(query, key, value, plan, scaling)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.plan, ctx.scaling = plan, scaling
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value = ctx.saved_tensors
-        plan = ctx.plan
-        dq = torch.empty_like(query)
+        query, key, value, out, lse = ctx.saved_tensors
+        dq = torch.zeros_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
-        for a, b, rows, visible in plan.chunks():
-            with torch.enable_grad():
-                q = query[:, :, a:b].detach().requires_grad_()
-                k = key[:, :, rows].detach().requires_grad_()
-                v = value[:, :, rows].detach().requires_grad_()
-                out = _chunk_attention(q, k, v, visible, ctx.scaling, ctx.gqa)
-                gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, a:b])
-            dq[:, :, a:b] = gq
-            dk.index_add_(2, rows, gk)
-            dv.index_add_(2, rows, gv)
-        return dq, dk, dv, None, None, None
-
-
-def _forward_chunks(query, key, value, plan, scaling, gqa):
-    outputs = [
-        _chunk_attention(query[:, :, a:b], key[:, :, rows], value[:, :, rows], visible, scaling, gqa)
-        for a, b, rows, visible in plan.chunks()
-    ]
-    return torch.cat(outputs, dim=2)
+        grad_out = grad_out.contiguous()
+        for chunk in ctx.plan.chunks():
+            span = slice(chunk.a, chunk.b)
+            q, g, o, l = query[:, :, span], grad_out[:, :, span], out[:, :, span], lse[:, :, span]
+            for rows, k, v, mask in _parts(chunk, key, value):
+                gq, gk, gv = _FLASH_BACKWARD(g, q, k, v, o, l, 0.0, False, attn_mask=mask, scale=ctx.scaling)
+                dq[:, :, span] += gq
+                if isinstance(rows, slice):
+                    dk[:, :, rows] += gk
+                    dv[:, :, rows] += gv
+                else:
+                    dk.index_add_(2, rows, gk)
+                    dv.index_add_(2, rows, gv)
+        return dq, dk, dv, None, None
 
 
 def ancestor_attention(
@@ -126,11 +181,12 @@ def ancestor_attention(
     plan: AncestorPlan = kwargs[PLAN_KWARG]
     if query.shape[0] != 1 or dropout:
         raise ValueError("tree attention takes one packed row batch and no attention dropout")
-    gqa = query.shape[1] != key.shape[1]
+    if query.device.type != "cpu":
+        raise ValueError(f"the ancestor backend runs on the CPU; on {query.device.type} use backend='flex'")
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        out = _AncestorAttention.apply(query, key, value, plan, scaling, gqa)
+        out = _AncestorAttention.apply(query, key, value, plan, scaling)
     else:
-        out = _forward_chunks(query, key, value, plan, scaling, gqa)
+        out = _forward_chunks(query, key, value, plan, scaling)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
