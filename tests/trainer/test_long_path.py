@@ -9,7 +9,8 @@ pools, allocator slack, AdamW state, one LM-head chunk) plus 32 KB per row: the 
 tiny model's sizes (`TinyModelSpec`).
 
 The test's default path has 6,000 tokens (about 2 minutes on two busy cores): attention over one path costs
-about L^2 / 2 (query, key) pairs per layer and head, and a 200K path (2e10 pairs) takes hours on two CPU cores.
+about L^2 / 2 (query, key) pairs per layer and head, and a 200K path (2e10 pairs) takes about half an hour
+on two CPU cores (the long-horizon bench's two 216K paths: 62 minutes).
 FORGE_LONG_PATH_TOKENS=200000 runs the full length under the same bound (6.7 GB); so does this file as a
 script, which prints the measurement as JSON:
 
