@@ -68,10 +68,11 @@ def shared_prefix(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane]) -> dict:
-    """`record` (a chat Completion with its prompt whole; `messages` the JSON of each of its messages) recorded
-    by reference to the lane whose ids it repeats longest, among the lanes whose whole prompt it starts with; the
-    record itself when it extends none.
+def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane],
+                 digests: Sequence[bytes] | None = None) -> dict:
+    """`record` (a chat Completion with its prompt whole; `messages` the JSON of each of its messages, `digests`
+    their message_digest when already at hand) recorded by reference to the lane whose ids it repeats longest, among
+    the lanes whose whole prompt it starts with; the record itself when it extends none.
 
     >>> lane = Lane("c0", [1, 2], [3, 9], (message_digest(b'"a"'),))
     >>> r = by_reference({"prompt_token_ids": [1, 2, 3, 4], "messages_json": '["a","b"]'}, [b'"a"', b'"b"'], [lane])
@@ -91,7 +92,7 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane])
             best, shared = lane, n
     if best is None:
         return record
-    kept = shared_prefix(best.messages, [message_digest(m) for m in messages])
+    kept = shared_prefix(best.messages, [message_digest(m) for m in messages] if digests is None else digests)
     return {**record, "prompt_ref": best.completion_id, "prompt_ref_tokens": shared, "prompt_token_ids": ids[shared:],
             "prompt_ref_messages": kept, "messages_json": (b"[" + b",".join(messages[kept:]) + b"]").decode()}
 

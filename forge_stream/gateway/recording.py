@@ -171,6 +171,7 @@ class RequestContext:
     top_p: float = 1.0
     logprobs_mode: str = "processed"
     message_parts: tuple[bytes, ...] = ()  # chat: each message's JSON (messages_json is their JSON list)
+    message_digests: tuple[bytes, ...] = ()  # chat, prompts by reference: message_digest of each of message_parts
 
 
 def chat_messages_json(parts: tuple[bytes, ...]) -> str:

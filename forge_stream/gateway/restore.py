@@ -159,8 +159,7 @@ class SessionEvents:
         end = self.reader.high(topic, p)
         if start is None:
             start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
-        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group)
-                   if r["session_id"] == session.id]
+        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group, session_id=session.id)]
         return records, end
 
     def load(self, session: Session, prompt_refs: bool) -> list[int]:

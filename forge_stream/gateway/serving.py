@@ -318,7 +318,8 @@ class GatewayService:
             messages_json=chat_messages_json(parts) if kind == "chat" else dumps(body["prompt"]),
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
-            logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts)
+            logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts,
+            message_digests=tuple(map(message_digest, parts)) if self.settings.prompt_refs else ())
         try:
             self._check_event_size(session, ctx, body)
         except GatewayError:
@@ -358,8 +359,7 @@ class GatewayService:
             parts = ctx.message_parts
             kept = 0
             if self.settings.prompt_refs and session.lanes:
-                digests = [message_digest(p) for p in parts]
-                kept = max(shared_prefix(lane.messages, digests) for lane in session.lanes.values())
+                kept = max(shared_prefix(lane.messages, ctx.message_digests) for lane in session.lanes.values())
             floor = sum(len(p) + 1 for p in parts[kept:])
         else:
             prompts = body["prompt"]
@@ -383,7 +383,8 @@ class GatewayService:
                                          policy_version=version, first_token_ms=first_token_ms, done_ms=done)
                        for c in choices]
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
-            sent = [by_reference(r, ctx.message_parts, session.lanes.values()) if by_ref else r for r in records]
+            sent = [by_reference(r, ctx.message_parts, session.lanes.values(), ctx.message_digests) if by_ref else r
+                    for r in records]
             log = self.restorer.log  # shared sessions: other replicas' records are told from this one's by request id
             if log is not None:
                 log.recording(ctx.request_id)
@@ -397,13 +398,12 @@ class GatewayService:
             session.turns = turn + 1
             session.requests.add(ctx.request_id)
             if by_ref:
-                digests = tuple(map(message_digest, ctx.message_parts))
                 prompt: list[int] = []
                 for choice, record in zip(choices, records):
                     if choice.prompt_ids:  # the choices' lanes share one copy of the prompt
                         prompt = prompt if prompt == choice.prompt_ids else choice.prompt_ids
                         session.lanes[(ctx.agent, choice.index)] = Lane(
-                            record["completion_id"], prompt, choice.token_ids or [], digests)
+                            record["completion_id"], prompt, choice.token_ids or [], ctx.message_digests)
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):

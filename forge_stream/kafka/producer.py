@@ -1,7 +1,9 @@
 """The event producer: Avro-encodes catalog events and sends them with acks=all and idempotence.
 
 `send` returns an asyncio future that resolves only once Kafka acknowledged the record, so a server can answer
-its caller after the event is durable and never before. `send_sync` is the same for scripts.
+its caller after the event is durable and never before. `send_sync` is the same for scripts. The acknowledgements
+that one poll of librdkafka serves reach each event loop in one hand-over (one wake-up of the loop, not one per
+record: that per-record `call_soon_threadsafe` was a self-pipe write and a loop wake-up for every event).
 A patient producer (`patient=True`: the trainer, the rollout controller) never gives a record up: while Kafka is
 away its sends wait, and go through once it is back, instead of failing after `message.timeout.ms`.
 A record larger than its topic takes (`Topic.max_message_bytes`, less `RECORD_OVERHEAD` for the batch framing) is
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -47,6 +50,9 @@ class EventProducer:
         if patient:
             config["message.timeout.ms"] = 0  # librdkafka: retry (idempotently) until acknowledged
         self._producer = Producer(producer_config(bootstrap, **config))
+        # acknowledgements not yet handed to their loops (appended by librdkafka's callbacks on whichever thread
+        # polls or flushes; a deque, whose append and popleft are atomic across threads)
+        self._acked: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future, KafkaError | None, object]] = deque()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="forge-producer-poll", daemon=True)
         self._poller.start()
@@ -54,6 +60,20 @@ class EventProducer:
     def _poll(self) -> None:
         while not self._stop.is_set():
             self._producer.poll(0.05)
+            self._hand_over()
+        self._hand_over()  # what a last flush served
+
+    def _hand_over(self) -> None:
+        """Settle the futures of the acknowledgements served since the last call, one loop wake-up per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        while self._acked:
+            loop, future, err, msg = self._acked.popleft()
+            by_loop.setdefault(loop, []).append((future, err, msg))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle_all, settled)
+            except RuntimeError:  # that loop was closed: nobody waits for these futures any more
+                pass
 
     def produce(self, topic: Topic, key: str, record: dict, schema: str | None = None, on_delivery=None) -> None:
         """Encode and enqueue; `on_delivery(err, msg)` runs on the poll thread."""
@@ -75,11 +95,8 @@ class EventProducer:
         """Enqueue and return a future (of the running loop) resolved with the offset once acked."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-
-        def done(err, msg):
-            loop.call_soon_threadsafe(_settle, future, err, msg)
-
-        self.produce(topic, key, record, schema, on_delivery=done)
+        self.produce(topic, key, record, schema,
+                     on_delivery=lambda err, msg: self._acked.append((loop, future, err, msg)))
         return future
 
     def send_sync(self, topic: Topic, key: str, record: dict, schema: str | None = None,
@@ -113,13 +130,14 @@ class EventProducer:
             self._poller.join()
 
 
-def _settle(future: asyncio.Future, err: KafkaError | None, msg) -> None:
-    if future.done():
-        return
-    if err is not None:
-        future.set_exception(DeliveryError(f"Kafka rejected the record: {err}"))
-    else:
-        future.set_result(msg.offset())
+def _settle_all(settled: list[tuple[asyncio.Future, KafkaError | None, object]]) -> None:
+    for future, err, msg in settled:
+        if future.done():
+            continue
+        if err is not None:
+            future.set_exception(DeliveryError(f"Kafka rejected the record: {err}"))
+        else:
+            future.set_result(msg.offset())
 
 
 __all__ = ["DeliveryError", "EventProducer", "KafkaException", "producer_config"]
