@@ -8,8 +8,9 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
   `forge-stream processors run` (--gamma, --advantage, --group-timeout-s) and passed in TopologyConfig.
 - agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state and
   publishes what the fold returns. The state lives in the `groups` table (memory store, rebuilt from its
-  compacted changelog topic on restart), one whole value per group (forge_stream.processors.store.WholeGroups;
-  the split GroupStore, a header plus one entry per record, is not deployed yet: see its docstring). Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
+  compacted changelog topic on restart) in pieces: a header per group plus one entry per record it holds
+  (forge_stream.processors.store.GroupStore), so an event writes its own record, never the whole group.
+  Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
 - timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
   the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
   `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
@@ -18,6 +19,16 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
   a SampleClaim (forge_stream.events.claims): forge.samples records stay small whatever the group's size.
 - Outputs go to the group's input partition (the producer's partitioner chose it), so the output topics stay
   co-partitioned with the inputs whatever client produced them.
+
+Read marks: with each input record folded, the table records its offset as the partition's read mark (one small
+value per input partition, written after the record's state, restored with it). A record at or below the mark is
+in the table already and is passed over; one above mark + 1 means the consumer skipped records, which faust 0.15
+can do when a rebalance hands a partition over (a prefetched record dropped, and acknowledged, as stale): the agent
+reads the skipped offsets straight from Kafka and folds them first. A skipped record that no later record follows
+yet is found by the `read-marks-sweep` timer: the group's committed offset passed it, the mark did not; so is a
+partition faust stopped delivering after a restart (records wait past its mark, which stood still for a whole sweep:
+seen in the SIGKILL test). So what the table holds never depends on faust's
+offset bookkeeping: every input record is folded once, in partition order, whatever the rebalances.
 
 Delivery: at-least-once. Agents run at concurrency 1 and share one lock, so a group is never folded by both
 at once. A group's outputs are acknowledged by Kafka *before* its closed marker is written to the table, so
@@ -39,14 +50,16 @@ import faust
 
 from forge_stream.events import DecodeError, decode, encode, now_ms
 from forge_stream.events.claims import CLAIM_OVER_BYTES, ClaimStore, claim_record
-from forge_stream.kafka.consumer import dead_letter
+from forge_stream.kafka.consumer import dead_letter, partition_positions
+from forge_stream.kafka.reader import read_range
 from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expire, fold
 from forge_stream.processors.groups import due
-from forge_stream.processors.store import WholeGroups, is_entry
+from forge_stream.processors.store import GroupStore, MissingEntry, is_group, mark_key
 from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
 
 INPUTS = (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
 OUTPUTS = (TOPICS.trajectories, TOPICS.samples, TOPICS.rewards, TOPICS.dlq)
+log = logging.getLogger(__name__)
 RAW = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
 
 
@@ -62,6 +75,7 @@ class TopologyConfig:
     replication_factor: int = 1  # of the changelog and internal topics faust creates (the cluster's: see cli)
     claim_store: str | None = None  # fsspec URL of the claim-check store (None: data_dir/claims)
     claim_over_bytes: int = CLAIM_OVER_BYTES  # a TrainSample encoded larger than this goes as a SampleClaim
+    sweep_s: float = 10.0  # how often the read marks are compared with committed offsets and ends (see `sweep`)
 
 
 def build_app(config: TopologyConfig) -> faust.App:
@@ -79,7 +93,7 @@ def build_app(config: TopologyConfig) -> faust.App:
     timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, **RAW)
     outputs = {t.name: app.topic(t.name, **RAW) for t in OUTPUTS}
     groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str)
-    store = WholeGroups(groups)  # GroupStore (a header plus entries) is not deployed yet: see its docstring
+    store = GroupStore(groups, groups)  # a header per group plus an entry per record, one changelog
     lock = asyncio.Lock()
 
     claims = ClaimStore(config.claim_store or str(Path(config.data_dir).resolve() / "claims"))
@@ -102,29 +116,81 @@ def build_app(config: TopologyConfig) -> faust.App:
                              error, rejected_by)
         await publish([Emit(TOPICS.dlq, message.topic, "DeadLetter", record)], None)
 
+    async def fold_record(message) -> None:
+        """Fold one input record into its group and publish what that closes (call it holding the lock)."""
+        try:
+            schema, record = decode(message.value or b"")
+            if schema not in TOPICS.by_name(message.topic).value_schemas:
+                raise DecodeError(f"{message.topic} does not carry {schema}")
+            held, snapshot = store.load(record.get("group_id", ""))
+            state, emits = fold(held, schema, record, settings, message.partition)
+            await publish(emits, message.partition)
+            if state is not None:
+                store.save(record["group_id"], state, snapshot)
+        except (DecodeError, InvalidEvent) as exc:
+            await reject(message, str(exc), "processors.groups")
+        except MissingEntry as exc:  # never expected: say so loudly, and keep the event (forge.dlq)
+            log.error("%s", exc)
+            await reject(message, str(exc), "processors.groups")
+
+    async def catch_up(topic: str, partition: int, stop: int, why: str = "skipped") -> None:
+        """Fold the records between topic[partition]'s read mark and `stop` (exclusive), read straight from Kafka:
+        records the consumer skipped, or has not delivered (call it holding the lock)."""
+        mark = mark_key(topic, partition)
+        last = groups.get(mark)
+        if last is None or last + 1 >= stop:
+            return
+        missed = await asyncio.to_thread(read_range, config.bootstrap, topic, partition, last + 1, stop)
+        log.warning("%s[%d]: the consumer %s offsets %d to %d (faust 0.15 around a rebalance or restart); folding "
+                    "the %d records there, read from Kafka", topic, partition, why, last + 1, stop - 1, len(missed))
+        for record in missed:
+            await fold_record(record)
+        groups[mark] = stop - 1
+
+    redelivered: set[tuple[str, int]] = set()  # partitions in a logged run of redelivered records
+
     @app.agent(inputs, name="groups", concurrency=1)
     async def fold_groups(stream):
+        try:
+            await _fold_groups(stream)
+        except Exception:  # faust restarts a crashed agent without a word: say what crashed it
+            log.exception("the groups agent crashed; faust restarts it")
+            raise
+
+    async def _fold_groups(stream):
         async for event in stream.events():
             message = event.message
-            try:
-                schema, record = decode(message.value or b"")
-                if schema not in TOPICS.by_name(message.topic).value_schemas:
-                    raise DecodeError(f"{message.topic} does not carry {schema}")
-                async with lock:
-                    held, snapshot = store.load(record.get("group_id", ""))
-                    state, emits = fold(held, schema, record, settings, message.partition)
-                    await publish(emits, message.partition)
-                    if state is not None:
-                        store.save(record["group_id"], state, snapshot)
-            except (DecodeError, InvalidEvent) as exc:
-                await reject(message, str(exc), "processors.groups")
+            tp = (message.topic, message.partition)
+            async with lock:
+                mark = mark_key(*tp)
+                last = groups.get(mark)
+                if last is not None and message.offset <= last:  # in the table already: a redelivery
+                    if tp not in redelivered:
+                        redelivered.add(tp)
+                        log.info("%s[%d]: offsets up to %d are folded already (the table says so); passing over "
+                                 "their redelivery", *tp, last)
+                    continue
+                await catch_up(*tp, message.offset)
+                await fold_record(message)
+                groups[mark] = message.offset
+                redelivered.discard(tp)
 
     @app.agent(timeouts, name="timeouts", concurrency=1)
     async def close_expired(stream):
         async for value in stream:
-            group_id = json.loads(value)["group_id"]
+            request = json.loads(value)
+            if "sweep" in request:  # from `sweep` below: records skipped at a partition's end
+                async with lock:
+                    await catch_up(request["sweep"], request["partition"], request["stop"],
+                                   "skipped or did not deliver")
+                continue
+            group_id = request["group_id"]
             async with lock:
-                state, snapshot = store.load(group_id)
+                try:
+                    state, snapshot = store.load(group_id)
+                except MissingEntry as exc:
+                    log.error("cannot close it: %s", exc)
+                    continue
                 new, emits = expire(state, now_ms(), settings)
                 if state is not None and new is not state:
                     await publish(emits, state["partition"])
@@ -134,9 +200,43 @@ def build_app(config: TopologyConfig) -> faust.App:
     async def scan() -> None:
         now = now_ms()
         for group_id, state in list(groups.items()):
-            if not is_entry(group_id) and due(state, now, settings):
+            if is_group(group_id) and due(state, now, settings):
                 await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
                                     partition=state["partition"])
+
+    inputs_names = {t.name for t in INPUTS}
+
+    marks_seen: dict[tuple[str, int], int | None] = {}  # each partition's read mark at the last sweep
+
+    @app.timer(config.sweep_s, name="read-marks-sweep")
+    async def sweep() -> None:
+        """What the groups agent cannot see: a skipped record that no later record follows yet (the group's
+        committed offset passed it, its read mark did not), and a partition faust stopped delivering (records wait
+        past the mark, and the mark stood still for a whole sweep: faust 0.15 can leave a partition paused after a
+        restart). Sent to the timeouts agent on that partition, which folds them from Kafka (table writes need a
+        stream); faust's late deliveries of them, if any, are then redeliveries."""
+        try:
+            assigned = app.consumer.assignment()
+        except Exception as exc:  # not started or between assignments: the next tick sees the new one
+            log.debug("read-marks sweep passed over: %r", exc)
+            return
+        mine = [(tp.topic, tp.partition) for tp in assigned if tp.topic in inputs_names]
+        if not mine:
+            return
+        positions = await asyncio.to_thread(partition_positions, config.bootstrap, config.app_id, mine)
+        for (topic, partition), (committed, end) in positions.items():
+            last = groups.get(mark_key(topic, partition))
+            before, marks_seen[(topic, partition)] = marks_seen.get((topic, partition), -2), last
+            if last is None:  # nothing folded from it yet: no mark to go by
+                continue
+            if committed is not None and committed - 1 > last:
+                stop = committed
+            elif end - 1 > last and before == last:
+                stop = end
+            else:
+                continue
+            await timeouts.send(key=f"{topic}:{partition}".encode(), partition=partition, value=json.dumps(
+                {"sweep": topic, "partition": partition, "stop": stop}).encode())
 
     return app
 

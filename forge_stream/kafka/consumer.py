@@ -288,6 +288,19 @@ def commit_end_offsets(bootstrap: str, group_id: str, topics: list[Topic]) -> No
         consumer.close()
 
 
+def partition_positions(bootstrap: str, group_id: str, partitions: list[tuple[str, int]]
+                        ) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """Per partition: the consumer group's committed offset (the next to read; None without one) and its end."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id, "enable.auto.commit": False,
+                         "log_level": 0})
+    try:
+        tps = consumer.committed([TopicPartition(t, p) for t, p in partitions], timeout=10)
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None,
+                                           consumer.get_watermark_offsets(tp, timeout=10)[1]) for tp in tps}
+    finally:
+        consumer.close()
+
+
 class AssignedConsumer:
     """Every partition of `topics`, assigned (no group membership, so no rebalancing), from the group's committed
     offsets (or from each partition's beginning); polls decoded events. `ends` are the partitions' ends when it

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 
-from forge_stream.events import DecodeError, decode
+from forge_stream.events import DecodeError, decode, peek
 from forge_stream.kafka.consumer import Event, event_of, offset_at_time
 from forge_stream.topics import Topic
 
@@ -77,10 +79,11 @@ class PartitionReader:
         with self._consumer() as consumer:
             return offset_at_time(consumer, topic.name, partition, ms, self.timeout_s)
 
-    def read(self, topic: Topic, partition: int, start: int, end: int,
-             key: str | None = None) -> list[tuple[int, int, str, dict]]:
-        """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key`, which
-        are the only ones decoded); undecodable records are skipped (the DLQ is the processors' business)."""
+    def read(self, topic: Topic, partition: int, start: int, end: int, key: str | None = None,
+             session_id: str | None = None) -> list[tuple[int, int, str, dict]]:
+        """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key` and, when
+        `session_id` is given, of that session, which are the only ones decoded: a record's session id is read from
+        its leading fields first); undecodable records are skipped (the DLQ is the processors' business)."""
         out: list[tuple[int, int, str, dict]] = []
         if start >= end:
             return out
@@ -90,8 +93,11 @@ class PartitionReader:
                 for msg in records_between(consumer, topic.name, partition, start, end, self.timeout_s):
                     if wanted is not None and msg.key() != wanted:
                         continue
+                    value = msg.value() or b""
                     try:
-                        schema, record = decode(msg.value() or b"")
+                        if session_id is not None and peek(value, ("session_id",))[1]["session_id"] != session_id:
+                            continue
+                        schema, record = decode(value)
                     except DecodeError:
                         continue
                     out.append((msg.offset(), msg.timestamp()[1], schema, record))
@@ -114,6 +120,44 @@ def records_between(consumer: Consumer, topic: str, partition: int, start: int, 
         offset = msg.offset() + 1
         if msg.offset() < end:
             yield msg
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A record as read, undecoded (the fields of a faust message the processors use)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+def read_range(bootstrap: str, topic: str, partition: int, start: int, stop: int, timeout_s: float = 60.0
+               ) -> list[RawRecord]:
+    """The records of topic[partition] at offsets start <= offset < stop, in order, undecoded (offsets without a
+    record, or deleted by retention, are simply not in the list)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-read-range",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "log_level": 0})
+    try:
+        consumer.assign([TopicPartition(topic, partition, start)])
+        records, deadline = [], time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                if consumer.position([TopicPartition(topic, partition)])[0].offset >= stop:
+                    return records  # past the range without a record at its end
+                continue
+            if msg.error():
+                continue
+            if msg.offset() >= stop:
+                return records
+            records.append(RawRecord(topic, partition, msg.offset(), msg.key(), msg.value()))
+            if msg.offset() == stop - 1:
+                return records
+        raise TimeoutError(f"reading {topic}[{partition}] offsets {start} to {stop - 1} took over {timeout_s} s")
+    finally:
+        consumer.close()
 
 
 class Tail:

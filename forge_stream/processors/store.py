@@ -11,7 +11,8 @@ size limit, which crash-looped the worker at every restart. So the state is spli
                                    for i in range(entries), in write order.
 
 The two may be one table (the topology keeps both in `groups`, so there is one changelog to restore): an entry key
-holds a separator that group ids cannot (`is_entry` tells them apart).
+holds a separator that group ids cannot (`is_entry` tells them apart). The topology keeps its read marks there too
+(`mark_key`: the last offset of each input partition folded into the table); `is_group` picks the headers out.
 
 `load` rebuilds the state the pure fold (forge_stream.processors.fold) works on; `save` writes the header and
 only the records the fold added or replaced, as new entries (a later entry of the same id wins on load, as the
@@ -43,6 +44,24 @@ def is_entry(key: str) -> bool:
     return SEPARATOR in key
 
 
+MARK = "\x1e"  # ASCII record separator: starts a read mark's key
+
+
+def mark_key(topic: str, partition: int) -> str:
+    """The key of an input partition's read mark: the last offset of it whose record the table holds."""
+    return f"{MARK}{topic}:{partition}"
+
+
+def is_group(key: str) -> bool:
+    """Whether a table key is a group's header (not an entry, not a read mark)."""
+    return SEPARATOR not in key and not key.startswith(MARK)
+
+
+class MissingEntry(LookupError):
+    """A header counts an entry the table does not hold: state was lost (a changelog write that never reached
+    Kafka, or a table restored from a changelog that was cut). The group cannot be folded correctly any more."""
+
+
 class GroupStore:
     """Group states over two key-value tables (faust Tables in the topology; dicts in tests)."""
 
@@ -60,7 +79,11 @@ class GroupStore:
         state = {k: v for k, v in header.items() if k != "entries"}
         parts: Snapshot = {part: {} for part in PARTS}
         for i in range(header["entries"]):
-            entry = self.entries[entry_key(group_id, i)]
+            entry = self.entries.get(entry_key(group_id, i))
+            if entry is None:
+                raise MissingEntry(f"group {group_id!r}: its header counts {header['entries']} entries but entry {i} "
+                                   "is not in the table (state lost from the changelog); the group's events are "
+                                   "dead-lettered from here on: replay them into a fresh app id to rebuild it")
             parts[entry["part"]][entry["id"]] = entry["record"]
         state.update(parts)
         return state, {part: dict(records) for part, records in parts.items()}
@@ -89,23 +112,4 @@ class GroupStore:
                     count += 1
         header = {k: v for k, v in state.items() if k not in PARTS}
         self.headers[group_id] = {**header, "entries": count}
-
-
-class WholeGroups:
-    """The same interface over one value per group (the whole state), as the topology runs today: the split
-    store above is not deployed yet, because the topology's restart test (SIGKILL, restore from the changelog)
-    failed in 2 of 4 runs with it (a restore that never finished; a group missing its earlier records), never
-    without it."""
-
-    def __init__(self, table: MutableMapping):
-        self.table = table
-
-    def load(self, group_id: str) -> tuple[dict | None, Snapshot]:
-        return self.table.get(group_id), {}
-
-    def save(self, group_id: str, state: dict | None, snapshot: Snapshot) -> None:
-        if state is None:
-            self.table.pop(group_id, None)
-        else:
-            self.table[group_id] = state
 

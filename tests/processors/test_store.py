@@ -9,7 +9,7 @@ import random
 import pytest
 
 from forge_stream.processors import InvalidEvent, ProcessorSettings, expire, fold
-from forge_stream.processors.store import GroupStore, entry_key, is_entry
+from forge_stream.processors.store import GroupStore, MissingEntry, entry_key, is_entry
 from forge_stream.processors.synthetic import group_events
 
 SETTINGS = ProcessorSettings(group_timeout_ms=60_000, forget_closed_ms=1_000)
@@ -148,3 +148,16 @@ def test_what_a_long_session_writes_grows_linearly_with_its_events():
     assert long_total < 4.4 * short_total  # linear in events (4x the turns), not quadratic (16x)
     whole_state = json.dumps(whole_run(long_session(400)[:-1])[0])
     assert long_header < 2_000 < len(whole_state) / 50  # what each event used to rewrite
+
+
+def test_an_entry_lost_from_the_table_is_a_clear_error_not_a_half_state():
+    store = GroupStore({}, {})
+    state = None
+    for schema, record in group_events("lost", seq=0, group_size=2, turns=2)[:6]:
+        held, snapshot = store.load("lost")
+        state, _ = fold(held, schema, record, SETTINGS)
+        store.save("lost", state, snapshot)
+    assert store.headers["lost"]["entries"] >= 2
+    del store.entries[entry_key("lost", 1)]
+    with pytest.raises(MissingEntry, match="entry 1 is not in the table"):
+        store.load("lost")

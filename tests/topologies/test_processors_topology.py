@@ -15,6 +15,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from forge_stream.events import decode, encode, now_ms
+from forge_stream.kafka.consumer import partition_positions
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors import ProcessorSettings, expire, fold
 from forge_stream.processors.synthetic import group_events
@@ -57,10 +58,22 @@ def expected(events, settings: ProcessorSettings, timeout_at: int | None = None)
     return [(e.topic.name, e.schema, wire(e.schema, e.record)) for e in outputs]
 
 
+_readers: list["Reader"] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_readers():
+    """A reader left open after its test keeps retrying a broker the session has stopped (log noise)."""
+    yield
+    while _readers:
+        _readers.pop().consumer.close()
+
+
 class Reader:
     """Reads our run's records (by group id prefix) from output topics; keeps every copy it sees."""
 
     def __init__(self, bootstrap: str, run_id: str):
+        _readers.append(self)
         self.run_id = run_id
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{run_id}",
                                   "auto.offset.reset": "earliest", "enable.auto.commit": False})
@@ -232,3 +245,70 @@ def test_two_workers_share_the_partitions_and_one_takes_over_when_the_other_is_k
     assert sorted(s["group_id"] for s in samples.values()) == sorted(groups)
     want = {r["group_id"]: r for evs in groups.values() for _, s, r in expected(evs, settings) if s == "TrainSample"}
     assert {s["group_id"]: s for s in samples.values()} == want
+
+
+@pytest.mark.parametrize("which", ["followed", "last"])
+def test_a_record_the_consumer_skipped_is_read_back_from_kafka_and_folded(kafka_bootstrap, run_id, tmp_path, which):
+    """faust 0.15 can drop a prefetched record when a rebalance hands its partition over, and acknowledge it, so the
+    committed offset passes a record that was never folded (seen in the two-worker test: a group waited forever for
+    one completion). Its effect is reproduced here exactly: the worker's committed offset is moved past a completion
+    it never read. On restart the worker reads the skipped one back from Kafka and folds it: the group yields the
+    sample the pure fold computes. `followed`: later records of that partition show the gap to the groups agent;
+    `last`: none does (the committed offset is the partition's end), and the read-marks sweep finds it."""
+    from confluent_kafka import TopicPartition
+
+    settings = ProcessorSettings(group_timeout_ms=600_000)
+    gid = f"{run_id}-skip"
+    events = group_events(gid, seq=0, group_size=3, turns=3, start_ms=now_ms())
+    cut = next(i for i, (schema, r) in enumerate(events) if schema == "Completion" and r["session_id"].endswith("s1"))
+    early, rest = events[:cut], events[cut:]
+    produce(kafka_bootstrap, early)
+    app_id, data_dir = f"proc-skip-{run_id}", tmp_path / "worker"
+    inputs = [(t.name, p) for t in (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans,
+                                    TOPICS.rewards) for p in range(TOPICS.completions.partitions)]
+    probe = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"probe-{run_id}"})
+    ends = {tp: probe.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1] for tp in inputs}
+    probe.close()
+
+    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
+    def behind(committed: dict) -> dict:  # (its own outputs to forge.rewards come after the ends: more to read)
+        return {tp: (committed[tp][0], end) for tp, end in ends.items() if (committed[tp][0] or 0) < end}
+
+    try:  # until it folded and committed everything there was
+        deadline = time.monotonic() + 120
+        while (late := behind(partition_positions(kafka_bootstrap, app_id, inputs))) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not late, f"the worker did not commit what it read (committed, end): {late}"
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+    delivered: list[tuple[str, int, int, str]] = []
+    producer = EventProducer(kafka_bootstrap)
+    for schema, record in rest:
+        producer.produce(SCHEMA_TOPIC[schema], gid, record, schema, on_delivery=lambda err, msg, s=schema: (
+            delivered.append((msg.topic(), msg.partition(), msg.offset(), s))))
+    producer.close()
+    completions = [d for d in delivered if d[3] == "Completion"]
+    skipped = completions[0] if which == "followed" else completions[-1]
+    follow = sum(1 for d in delivered if d[:2] == skipped[:2] and d[2] > skipped[2])
+    assert follow >= 2 if which == "followed" else follow == 0
+    mover = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": app_id, "enable.auto.commit": False})
+    mover.commit(offsets=[TopicPartition(skipped[0], skipped[1], skipped[2] + 1)], asynchronous=False)
+    mover.close()
+
+    reader = Reader(kafka_bootstrap, run_id)
+    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
+    try:
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) == 1)
+    finally:
+        worker.kill()
+        worker.wait()
+    [sample] = reader.unique("TrainSample").values()
+    [want] = [r for _, s, r in expected(events, settings) if s == "TrainSample"]
+    assert sample == want
+    log = (tmp_path / f"{app_id}.log").read_text(errors="replace")
+    # `followed`: that one record; `last`: the records moved past, up to it
+    first = skipped[2] if which == "followed" else min(d[2] for d in delivered if d[:2] == skipped[:2])
+    why = "skipped" if which == "followed" else "skipped or did not deliver"  # the groups agent / the sweep
+    assert f"{skipped[0]}[{skipped[1]}]: the consumer {why} offsets {first} to {skipped[2]} " in log
