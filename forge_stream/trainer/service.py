@@ -144,7 +144,7 @@ class PolicyTrainer:
         """One optimizer step; returns the TrainStep metric fields it knows."""
         started = time.perf_counter()
         stats = train_step(self.model, self.optimizer, batch.samples, self.settings.step, self.policy_version,
-                           self.ranks)
+                           self.ranks, progress=_slow_progress(started))
         elapsed = time.perf_counter() - started
         metrics = {key: getattr(stats, key) for key in (
             "loss_name", "loss", "mean_reward", "outcome_reward", "rollouts", "total_tokens", "unique_tokens",
@@ -181,6 +181,20 @@ class PolicyTrainer:
         tmp.rename(path)  # a checkpoint folder exists only once complete
         rotate_checkpoints(root, self.settings.keep_checkpoints)
         return path
+
+
+def _slow_progress(started: float, every_s: float = 30.0):
+    """A step's micro-batch progress, logged only once the step has run `every_s` and then at most that often:
+    quiet for the usual sub-second steps, a heartbeat for a long sample's step (minutes to an hour on a CPU)."""
+    last = [started]
+
+    def report(line: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            log.info("step in progress: %s", line)
+
+    return report
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ the mean outcome reward of the batch's rollouts (one value per distinct (group, 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol, Sequence
 
@@ -200,12 +202,14 @@ class Ranks(Protocol):
 
 
 def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config: StepConfig,
-                         loss_tokens: int | None = None, pad_to: int = 0) -> dict:
+                         loss_tokens: int | None = None, pad_to: int = 0,
+                         progress: Callable[[str], None] | None = None) -> dict:
     """Run every micro-batch forward and backward (gradients add up in .grad); return the loss and counts.
 
     `loss_tokens`: the normalizer (default: the samples' completion tokens); a rank of a data-parallel step passes
     the whole batch's. `pad_to`: run zero-weighted forward/backward passes until that many micro-batches ran (FSDP
-    ranks must run the same number of passes, whose collectives pair up).
+    ranks must run the same number of passes, whose collectives pair up). `progress` hears a line after each
+    micro-batch (its rows, the time so far): one long sample's step can take an hour on a CPU.
     """
     batches = micro_batch_plan(samples, config.token_budget)
     if loss_tokens is None:
@@ -214,7 +218,8 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     bounds = config.bounds
     total_loss = 0.0
     outs = []
-    for forest, batch_refs in batches:
+    started, rows_total, rows_done = time.perf_counter(), sum(f.num_rows for f, _ in batches), 0
+    for index, (forest, batch_refs) in enumerate(batches, 1):
         # Only the completion tokens' rows go through the LM head, each once, indexed once into the sequences.
         rows = [path[ref["prompt_len"]:] for path, ref in zip(forest.paths, batch_refs)]
         lp = path_logprobs(model, forest, torch.cat(rows), chunk_rows=config.chunk_rows,
@@ -230,6 +235,10 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
         out.loss.backward()
         total_loss += float(out.loss.detach())
         outs.append(out)
+        rows_done += forest.num_rows
+        if progress:
+            progress(f"micro-batch {index}/{len(batches)} done: {rows_done:,}/{rows_total:,} tree rows, "
+                     f"{time.perf_counter() - started:.0f} s")
     for _ in range(len(batches), pad_to):
         idle = sequence_logprobs(model, pack([[0, 0]]), chunk_rows=config.chunk_rows)
         (idle[0].sum() * 0.0).backward()
@@ -258,11 +267,11 @@ def rollout_outcomes(samples: Sequence[dict]) -> list[float]:
 
 
 def _update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[dict], config: StepConfig,
-            ranks: Ranks | None) -> tuple[dict, float]:
+            ranks: Ranks | None, progress: Callable[[str], None] | None) -> tuple[dict, float]:
     """One optimizer update on the samples; a non-finite gradient leaves the weights as they were."""
     optimizer.zero_grad(set_to_none=True)
     if ranks is None:
-        acc = accumulate_gradients(model, samples, config)
+        acc = accumulate_gradients(model, samples, config, progress=progress)
     else:
         acc = ranks.accumulate(model, samples, config)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -284,6 +293,7 @@ def train_step(
     config: StepConfig,
     policy_version: int,
     ranks: Ranks | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> StepStats:
     """One optimizer step on the samples' trees; `policy_version` is the trainer's, for staleness.
 
@@ -293,6 +303,8 @@ def train_step(
     last one moved, and the importance ratio against the recorded (sampling) log-probs, clipped by the loss's
     bounds, weighs it, as PPO's epochs and CISPO's off-policy updates do. The stats (loss, mismatch, ratios,
     grad norm) are the first update's: the distance between what was sampled and what trains.
+
+    `progress` hears a line after each micro-batch (see `accumulate_gradients`; single-process steps only).
     """
     if not samples:
         raise ValueError("train_step needs at least one sample")
@@ -300,7 +312,7 @@ def train_step(
         raise ValueError(f"updates must be at least 1, not {config.updates}")
     first: tuple[dict, float] | None = None
     for _ in range(config.updates):
-        acc, grad_norm = _update(model, optimizer, samples, config, ranks)
+        acc, grad_norm = _update(model, optimizer, samples, config, ranks, progress)
         first = first or (acc, grad_norm)
     acc, grad_norm = first
     total = sum(ref["length"] for s in samples for ref in s["sequences"])

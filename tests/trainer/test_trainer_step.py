@@ -266,12 +266,17 @@ def test_the_turns_of_a_session_longer_than_the_budget_share_its_longest_turns_p
     for (forest, refs), run in zip(plan, runs):
         assert [ref["completion_id"] for ref in refs] == [f"long-{i}" for i in run]
         assert [forest.sequence_tokens(j).tolist() for j in range(len(run))] == [sequences[i] for i in run]
-    weights = []
+    weights, heard = [], []
     for budget in (16, 10**6):
         model = tiny_causal_lm("llama", dtype=torch.float64, seed=3)
         config = StepConfig(lr=1e-2, token_budget=budget, chunk_rows=5, grad_clip=0.0)
-        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), [sample], config, 5)
+        stats = train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), [sample], config, 5,
+                           progress=heard.append)
         assert stats.micro_batches == (3 if budget == 16 else 1) and stats.grad_norm > 0.01
         weights.append([p.detach().clone() for p in model.parameters()])
+    # a long step reports each micro-batch it finished, with the tree rows done so far
+    assert [line.split(" s")[0].rsplit(", ", 1)[0] for line in heard] == [
+        "micro-batch 1/3 done: 23/57 tree rows", "micro-batch 2/3 done: 34/57 tree rows",
+        "micro-batch 3/3 done: 57/57 tree rows", "micro-batch 1/1 done: 45/45 tree rows"]
     for split, whole in zip(*weights):
         assert float((split - whole).abs().max()) < 1e-10
