@@ -13,7 +13,8 @@ gives the gateway's overhead (through the gateway minus direct) at that context 
 
 Printed: max_context_tokens, turns, unique_tokens (tree rows of the group's TrainSample), kafka_bytes (keys and
 values of every topic of the run's broker: the input and output topics and the processors' changelogs, which
-here hold only this group), kafka_bytes_per_unique_token, claim_bytes (a TrainSample too large for Kafka is stored
+here hold only this group; kafka_bytes_read_marks of it are the processors' read marks, keyed by partition, not by
+group, so not counted on a given broker), kafka_bytes_per_unique_token, claim_bytes (a TrainSample too large for Kafka is stored
 by reference: forge_stream.events.claims), gateway_overhead_ms_p50_small (turns at 0.5K to 2K tokens of context)
 and _long (turns within 10% of the longest context), sample_latency_ms (last session finished -> sample on
 forge.samples), train_step_s and trained; and the same run at half the turns (`half`) for the linearity check.
@@ -22,6 +23,7 @@ Given `--bootstrap-servers`, it writes one group with a fresh id and counts only
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -40,6 +42,7 @@ from forge_stream.events import now_ms
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice, topic_bytes
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors.store import MARK
 from forge_stream.proc import running
 from forge_stream.topics import TOPICS
 
@@ -178,7 +181,8 @@ def _train_child(sample_path: str, model_dir: str, results) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = StepConfig(lr=1e-5)
     start = time.perf_counter()
-    stats = train_step(model, build_optimizer(model, config), [sample], config, policy_version=0)
+    stats = train_step(model, build_optimizer(model, config), [sample], config, policy_version=0,
+                       progress=lambda line: print(f"training: {line}", file=sys.stderr, flush=True))
     results.put({"train_step_s": round(time.perf_counter() - start, 1), "loss": stats.loss,
                  "grad_norm": stats.grad_norm, "micro_batches": stats.micro_batches,
                  "train_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -221,13 +225,17 @@ def measure(bootstrap: str | None, sessions: int, turns: int, resets: tuple[int,
         schema, record, written_ms = _wait_sample(kafka, group, timeout_s=600)
         sample = redeem(record) if schema == "SampleClaim" else record
         per_topic = {t: b for t, b in sorted(topic_bytes(kafka, group.encode()).items()) if b}
+        # the processors' read marks (one record per input record folded, keyed by partition, not by group): this
+        # group is the only one on the bench's broker, so they are its own, and counted with it
+        needle = json.dumps(MARK)[1:-1].encode()  # the table's keys are JSON: the mark's character escaped
+        marks = sum(topic_bytes(kafka, needle).values()) if bootstrap is None else 0
         calls = [t for a in agents for t in a.turns]
         longest = max(t["prompt_tokens"] for t in calls)
         out = {
             "sessions": sessions, "turns": turns, "calls": len(calls), "resets": len(resets),
             "max_context_tokens": longest,
             "unique_tokens": sample["unique_tokens"], "total_tokens": sample["total_tokens"],
-            "kafka_bytes": sum(per_topic.values()),
+            "kafka_bytes": sum(per_topic.values()) + marks, "kafka_bytes_read_marks": marks,
             "sample_schema": schema, "claim_bytes": record.get("size_bytes", 0),
             "gateway_overhead_ms_p50_small": _p50([t["gateway_ms"] - t["direct_ms"] for t in calls
                                                    if 500 <= t["prompt_tokens"] <= 2000]),
