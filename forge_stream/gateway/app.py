@@ -1,8 +1,10 @@
 """Builds the gateway's FastAPI app: its service in `app.state`, its Kafka producer and engine client for the
 app's lifespan, and OpenAI-style error bodies for every error (including FastAPI's own 404/405/422/500).
 
-Agents' calls (chat/completions, completions, responses, messages) skip FastAPI's routing (`_AgentCalls`): they
-are most of the gateway's traffic, and route matching and dependency solving cost about a third of their CPU.
+Agents' calls (chat/completions, completions, responses, messages) skip FastAPI's middleware stack and routing
+(`GatewayApp.__call__`): they are most of the gateway's traffic, and route matching and dependency solving cost about
+a third of their CPU, the stack's layers (error handling, FastAPI's telemetry and body limit, each wrapping `send`)
+another tenth. FastAPI still describes those routes (OpenAPI) and serves everything else.
 
 An unexpected error is answered 500 by `_ContainErrors`, which keeps the client's keep-alive connection usable
 (Starlette's own last-resort handler re-raises, and uvicorn then drops the connection)."""
@@ -37,19 +39,17 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
                     media_type="application/json", headers=headers)
 
 
-class _AgentCalls:
-    """ASGI middleware: an agent's call (POST to chat/completions, completions, responses or messages), the gateway's
-    hot path, goes straight to its function in the router, past FastAPI's route matching and dependency solving
-    (measured: about a third of the gateway's CPU per call); its errors are answered as the app's handlers answer
-    them. Everything else goes on to FastAPI, which also describes these routes (OpenAPI)."""
-
-    def __init__(self, app):
-        self.app = app
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app, whose hot path, an agent's call (POST to chat/completions, completions, responses
+    or messages), goes straight to its function in the router, past the middleware stack, route matching and
+    dependency solving; its errors are answered as the app's handlers answer them, and an unexpected one before the
+    response started as `_ContainErrors` does."""
 
     async def __call__(self, scope, receive, send):
         found = agent_call(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if found is None:
-            return await self.app(scope, receive, send)
+            return await super().__call__(scope, receive, send)
+        scope["app"] = self  # as Starlette sets it: the handlers find the service in request.app.state
         handler, session_id = found
         try:
             response = await handler(Request(scope, receive, send), session_id)
@@ -57,6 +57,9 @@ class _AgentCalls:
             response = _gateway_error(exc)
         except BodyRejected as exc:
             response = _error(exc.status, exc.message, exc.param)
+        except Exception as exc:
+            log.exception("gateway error")
+            response = _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")
         await response(scope, receive, send)
 
 
@@ -117,10 +120,9 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
                     except DeliveryError as exc:
                         log.warning("gateway producer closed with unacknowledged records: %s", exc)
 
-    app = FastAPI(title="forge-stream gateway", lifespan=lifespan)
+    app = GatewayApp(title="forge-stream gateway", lifespan=lifespan)
     app.include_router(router)
-    app.add_middleware(_AgentCalls)
-    app.add_middleware(_ContainErrors)  # the outer one: it contains _AgentCalls' errors too
+    app.add_middleware(_ContainErrors)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error_handler(_: Request, exc: GatewayError) -> Response:
