@@ -69,8 +69,9 @@ async def _phase(port: int, requests: list[bytes], total: int) -> dict:
             "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and all its descendants (a gateway's --workers are its children)."""
+def _cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """CPU seconds of a process and all its descendants (a gateway's --workers are its children), or of the process
+    alone."""
     total = 0.0
     todo = [pid]
     while todo:
@@ -81,12 +82,35 @@ def _cpu_seconds(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        todo += [int(child) for child in children]
+        if descendants:
+            todo += [int(child) for child in children]
     return total
 
 
+async def _measured(phase, pids: dict[str, int]) -> dict:
+    """The phase's result with the CPU milliseconds each process (`pids`: name -> pid; children included but for the
+    client, this process, whose children are the others) spent per answered request while it ran, and the whole
+    machine's (every process, from /proc/stat: other jobs on the machine show there)."""
+    before = {name: _cpu_seconds(pid, name != "client") for name, pid in pids.items()}
+    machine = _machine_cpu_seconds()
+    result = await phase
+    count = max(result["requests"], 1)
+    spent = {name: (_cpu_seconds(pid, name != "client") - before[name]) * 1000 / count for name, pid in pids.items()}
+    spent["machine"] = (_machine_cpu_seconds() - machine) * 1000 / count
+    result["cpu_ms_per_request"] = {name: round(ms, 3) for name, ms in spent.items()}
+    return result
+
+
+def _machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (every core: user, nice, system, irq, softirq, steal)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
-        bootstrap: str | None = None, workers: int = 1) -> dict:
+        bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False
+        ) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
     runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions)."""
     try:
@@ -98,14 +122,16 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
-        stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+        engine = stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port",
+                                              str(engine_port),
                                      "--reply", "The answer is 42, computed by the scripted engine."],
                                     url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log",
                                     stop_timeout=10))
         gateway = stack.enter_context(running(
             [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
              f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
-             *(["--workers", str(workers)] if workers > 1 else [])],
+             "--linger-ms", str(linger_ms), *(["--workers", str(workers)] if workers > 1 else []),
+             *(["--shared-sessions"] if shared_sessions else [])],
             url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         callers = max(concurrency)
@@ -118,6 +144,10 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         direct_req = _request("/v1/chat/completions", orjson.dumps({**body, "return_token_ids": True,
                                                                     "logprobs": True}))
         gateway_reqs = [_request(f"/s/{s}/v1/chat/completions", orjson.dumps(body)) for s in sessions]
+        pids = {"gateway": gateway.pid, "engine": engine.pid, "client": os.getpid()}
+        broker_pid = work / "kafka" / "broker.pid"  # the bench's own broker (none when given one)
+        if broker_pid.exists():
+            pids["broker"] = int(broker_pid.read_text())
         before = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
 
         async def measure() -> dict:
@@ -126,10 +156,9 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
             out = {}
             for c in concurrency:
                 total = requests if c == max(concurrency) else max(requests // 4, 100)
-                direct = await _phase(engine_port, [direct_req] * c, total)
-                cpu0 = _cpu_seconds(gateway.pid)
-                through = await _phase(gateway_port, gateway_reqs[:c], total)
-                through["gateway_cpu_ms_per_request"] = (_cpu_seconds(gateway.pid) - cpu0) * 1000 / through["requests"]
+                direct = await _measured(_phase(engine_port, [direct_req] * c, total), pids)
+                through = await _measured(_phase(gateway_port, gateway_reqs[:c], total), pids)
+                through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
                 out[c] = (direct, through)
             return out
 
@@ -150,7 +179,12 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         "gateway_to_engine": round(top_gateway["per_s"] / top_direct["per_s"], 3) if top_gateway["errors"] == 0
         else 0.0,
         "gateway_cpu_ms_per_request": top_gateway["gateway_cpu_ms_per_request"],
+        # where the machine's CPU goes per request at the top concurrency, through the gateway and direct
+        "cpu_ms_per_request": {"through_gateway": top_gateway["cpu_ms_per_request"],
+                               "direct": top_direct["cpu_ms_per_request"]},
         "workers": workers,
+        "linger_ms": linger_ms,
+        "sessions_shared_by": "kafka" if shared_sessions else "ledger" if workers > 1 else None,
         "recorded_events_checked": after - before == answered,
         "cores": os.cpu_count(),
         "prompt_tokens": len(encode(render(messages, None))),

@@ -53,12 +53,16 @@ def gateway(
     prompt_bytes: int = typer.Option(1000, help="User message size (the scripted engine: 1 token per byte)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
     workers: int = typer.Option(1, help="Gateway processes on its port (gateway serve --workers)."),
+    linger_ms: float = typer.Option(2.0, help="The gateway's producer linger (gateway serve --linger-ms)."),
+    shared_sessions: bool = typer.Option(False, help="Run the gateway with --shared-sessions (follow Kafka, as "
+                                                     "replicas on several hosts do)."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Gateway overhead vs straight to a scripted engine (p50/p99 at concurrency 1 and 64), recorded/s."""
     from forge_stream.bench.gateway import run
 
-    emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers), as_json)
+    emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers,
+             linger_ms=linger_ms, shared_sessions=shared_sessions), as_json)
 
 
 @app.command("long-horizon")

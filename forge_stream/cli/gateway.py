@@ -33,6 +33,9 @@ def serve(
     max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
     max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
     ack_timeout_ms: int = typer.Option(10_000, help="Kafka acknowledgement timeout (then 503)."),
+    linger_ms: float = typer.Option(
+        2.0, help="How long the producer gathers Completions into one Kafka request: longer means fewer requests "
+                  "for the broker under load (its CPU per call), and that much more latency per call at low load."),
     max_in_flight: int = typer.Option(256, help="OpenAI calls served at once (engine call until Kafka's ack)."),
     max_waiting: int = typer.Option(1024, help="Calls waiting for a slot; past it a call is shed with 429."),
     max_wait_s: float = typer.Option(30.0, help="A call that waited this long for a slot is shed with 503."),
@@ -46,17 +49,18 @@ def serve(
     engine_logprobs_mode: str = typer.Option(
         "processed", help="What the engines' logprobs are, recorded on each Completion: processed (of the "
                           "distribution sampled from; vLLM: --logprobs-mode processed_logprobs) or raw."),
-    workers: int = typer.Option(1, min=1, help="Processes serving the port; each is a replica (implies "
-                                               "--shared-sessions when more than one)."),
+    workers: int = typer.Option(1, min=1, help="Processes serving the port, any session on any of them: they tell "
+                                               "each other what they recorded through a ledger in shared memory."),
     shared_sessions: bool = typer.Option(
-        False, help="Replicas (other processes or hosts) serve one session's calls alternately: bring a held "
-                    "session up to date from Kafka before each call. Without it, a session's calls should go to "
-                    "the replica that holds it (route by session id); any other one rebuilds it on a miss."),
+        False, help="Replicas on other hosts serve one session's calls alternately: bring a held session up to "
+                    "date from Kafka before each call. Without it, a session's calls should go to the host that "
+                    "holds it (route by session id); any other one rebuilds it on a miss."),
 ) -> None:
     """Serve the gateway (uvicorn, with uvloop and httptools when installed)."""
     import uvicorn
 
     from forge_stream.gateway.app import create_app
+    from forge_stream.gateway.ledger import WorkerLedger
     from forge_stream.gateway.settings import GatewaySettings
 
     bootstrap = settings(bootstrap_servers).bootstrap
@@ -64,18 +68,22 @@ def serve(
     gateway = GatewaySettings(
         engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
-        ack_timeout_ms=ack_timeout_ms, max_in_flight=max_in_flight, max_waiting=max_waiting, max_wait_s=max_wait_s,
+        ack_timeout_ms=ack_timeout_ms, linger_ms=linger_ms, max_in_flight=max_in_flight, max_waiting=max_waiting, max_wait_s=max_wait_s,
         shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
         finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
-        engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions or workers > 1)
+        engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions, workers=workers)
     options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s)
     if workers == 1:
         app = create_app(gateway)
         _settle_gc()
         uvicorn.run(app, **options)
         return
-    os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(gateway))
-    uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+    ledger = WorkerLedger.create(workers)  # how the workers tell each other which sessions they recorded for
+    try:
+        os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(gateway, worker_ledger=ledger)))
+        uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+    finally:
+        os.unlink(ledger)
 
 
 def worker_app():

@@ -20,6 +20,10 @@ spans every replica recorded (a span may have been posted to another). There is 
 replicas serving one session at the same time can both record turn k. The next call finds it: it is logged as a
 turn collision, counted in /health, and the session rebuilt (turn numbers go on past both).
 
+Workers of one host (`gateway serve --workers N`, `GatewaySettings.worker_ledger`) learn the same from a ledger in
+shared memory instead (forge_stream.gateway.ledger): a held session whose bucket another worker wrote to since it was
+last brought up to date is rebuilt (or closed, if finished there); otherwise a call asks nothing of Kafka.
+
 The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
 
@@ -37,6 +41,7 @@ from confluent_kafka import KafkaException
 
 from forge_stream.events import now_ms
 from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
+from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
@@ -190,6 +195,10 @@ class SessionRestorer:
         self.log = (SessionLog(settings.bootstrap, settings.ack_timeout_ms / 1000,
                                settings.max_open_sessions + settings.finished_sessions_kept)
                     if settings.shared_sessions else None)
+        # workers of one `serve --workers N` on this host, without replicas elsewhere: they tell each other what
+        # they recorded through the ledger (forge_stream.gateway.ledger) instead of following Kafka
+        self.ledger = (WorkerLedger(settings.worker_ledger, settings.workers)
+                       if settings.worker_ledger is not None and self.log is None else None)
         self._loading: dict[str, asyncio.Future] = {}
         self.restored = 0
         self.refreshed = 0  # held sessions rebuilt because another replica recorded for them
@@ -216,6 +225,8 @@ class SessionRestorer:
     async def close(self) -> None:
         if self.log is not None:
             await asyncio.to_thread(self.log.close)
+        if self.ledger is not None:
+            self.ledger.close()
         await asyncio.to_thread(self.directory.reader.close)
 
     async def started_elsewhere(self, session_id: str) -> bool:
@@ -230,9 +241,38 @@ class SessionRestorer:
                 loading = self._loading[session_id] = asyncio.ensure_future(self._restore(session_id))
                 loading.add_done_callback(lambda _: self._loading.pop(session_id, None))
             return await asyncio.shield(loading)
-        if self.settings.shared_sessions and session.status == "open":
-            await self._refresh(session)
+        if session.status == "open":
+            if self.log is not None:
+                await self._refresh(session)
+            elif self.ledger is not None and self.ledger.others(session.id) != session.ledger_seen:
+                await self._catch_up(session)
         return session
+
+    def opened(self, session: Session) -> None:
+        """`session` was opened here: up to date with the other workers."""
+        if self.ledger is not None:
+            session.ledger_seen = self.ledger.others(session.id)
+
+    def wrote(self, session: Session) -> None:
+        """Kafka acknowledged events of `session` recorded here: the other workers learn it from the ledger."""
+        if self.ledger is not None:
+            self.ledger.wrote(session.id)
+
+    async def _catch_up(self, session: Session) -> None:
+        """Another worker of this host recorded for a held session (or one sharing its ledger bucket): rebuild it
+        from its events, closing it if it was finished there."""
+        async with session.recording:
+            seen = self.ledger.others(session.id)  # read before the events: a later write shows at the next call
+            if seen == session.ledger_seen or session.status != "open":
+                return
+            partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
+            entry = await self._kafka(self.directory.find, session.id, [partition])
+            if entry is not None and entry.finished is not None:
+                self.store.finished(session)
+            else:
+                self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+                self.refreshed += 1
+            session.ledger_seen = seen
 
     async def reload(self, session: Session) -> None:
         """Rebuild a held session from its events."""
@@ -277,9 +317,11 @@ class SessionRestorer:
         if entry is None:
             raise unknown(session_id)
         started = entry.started
+        seen = self.ledger.others(session_id) if self.ledger is not None else None
         session = self.store.new(SessionKeys(session_id, started["group_id"], started["task_id"]),
                                  dict(started["metadata"]))
         session.start_ms = entry.start_ms
+        session.ledger_seen = seen
         if METADATA_KEY in started["metadata"]:  # its text-protocol span rule, as when it was opened
             try:
                 session.span_rule = load_rule(started["metadata"][METADATA_KEY])

@@ -221,6 +221,10 @@ async def health(request: Request) -> dict:
             "open_sessions": service.sessions.open, "admission": service.admission.view(),
             "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
             "turn_collisions": len(service.restorer.collisions),
+            # how this process learns what other replicas recorded: Kafka (--shared-sessions), the ledger of the
+            # host's --workers, or not at all (a session's calls should come here)
+            "sessions_shared_by": ("kafka" if service.restorer.log is not None else
+                                   "ledger" if service.restorer.ledger is not None else None),
             "engines": [{"url": e.url, "in_flight": e.in_flight} for e in service.pool.engines]}
 
 

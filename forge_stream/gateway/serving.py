@@ -163,7 +163,7 @@ class GatewayService:
         if request.session_id is not None:
             check_id(request.session_id, "session_id", limit, path_segment=True)
         session_id = request.session_id or new_event_id()
-        if session_id in self.sessions or (request.session_id is not None and self.settings.shared_sessions
+        if session_id in self.sessions or (request.session_id is not None and self.settings.replicated
                                            and await self.restorer.started_elsewhere(session_id)):
             raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
         self.sessions.check_room()
@@ -178,6 +178,7 @@ class GatewayService:
             "group_id": request.group_id, "task_id": request.task_id, "base_url": base_url,
             "metadata": request.metadata}, "SessionStarted")])
         self.sessions.add(session)
+        self.restorer.opened(session)
         return SessionCreated(session_id=session_id, base_url=base_url, path=path, token=session.token,
                               group_id=request.group_id, task_id=request.task_id)
 
@@ -213,13 +214,14 @@ class GatewayService:
         except GatewayError:
             session.restore(replaced)
             raise
+        self.restorer.wrote(session)
         session.explicit.update(s.tool_call_id for s in posted.spans if s.tool_call_id)
         session.span_ids.update(r["span_id"] for r in records)
         return [r["event_id"] for r in records]
 
     async def finish(self, session: Session, request: FinishIn) -> list[str]:
         session.require_open()
-        if self.settings.shared_sessions:  # count what every replica recorded (spans posted elsewhere too)
+        if self.settings.replicated:  # count what every replica recorded (spans posted elsewhere too)
             await self.restorer.reload(session)
             session.require_open()
         session.status = "finishing"
@@ -233,6 +235,7 @@ class GatewayService:
         except GatewayError:
             session.status = "open"
             raise
+        self.restorer.wrote(session)
         self.sessions.finished(session)
         return [record["event_id"]]
 
@@ -395,6 +398,7 @@ class GatewayService:
                 if log is not None:
                     log.not_recorded(ctx.request_id)
                 raise
+            self.restorer.wrote(session)
             session.turns = turn + 1
             session.requests.add(ctx.request_id)
             if by_ref:

@@ -62,6 +62,17 @@ class GatewaySettings:
     # with what other replicas recorded before each call (a read of its partition). Off: a session's calls go to
     # the replica that holds it (sticky routing), and another one rebuilds it only when it does not hold it
     shared_sessions: bool = False
+    # `gateway serve --workers N`: the host's ledger file (forge_stream.gateway.ledger) through which its workers
+    # tell each other which sessions they recorded for, so a held session is brought up to date only when another
+    # worker recorded for it (and without asking Kafka otherwise). With shared_sessions too (replicas on other
+    # hosts), Kafka's tail is followed instead
+    worker_ledger: str | None = None
+    workers: int = 1
+
+    @property
+    def replicated(self) -> bool:
+        """Whether other processes (replicas, or workers of this one) serve this gateway's sessions too."""
+        return self.shared_sessions or self.worker_ledger is not None
 
     @property
     def auth(self) -> bool:

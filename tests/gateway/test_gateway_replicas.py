@@ -14,6 +14,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
+from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
@@ -69,11 +70,19 @@ class CountingAgent:
         assert [(r["messages_json"], r["prompt_token_ids"]) for r in rebuilt] == self.sent
 
 
-def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id):
+@pytest.fixture(params=["kafka", "ledger"])
+def sharing(request, tmp_path):
+    """How replicas learn what the others recorded: following Kafka (`--shared-sessions`, replicas on any hosts), or
+    the workers' ledger of one host (`--workers N`: here two gateways in this process map one ledger file)."""
+    if request.param == "kafka":
+        return {"shared_sessions": True}
+    return {"worker_ledger": WorkerLedger.create(2, str(tmp_path)), "workers": 2}
+
+
+def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id, sharing):
     """Every request of a conversation (appends, n = 3, a sub-agent, a rewritten history) goes to the other
     replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly."""
-    with make_gateway(engines=(engine,), shared_sessions=True) as a, \
-            make_gateway(engines=(engine,), shared_sessions=True) as b:
+    with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
                                                      "session_id": session["session_id"]})
@@ -86,13 +95,12 @@ def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_ga
 
 
 def test_a_held_session_is_rebuilt_only_when_another_replica_recorded_for_it(
-        kafka_bootstrap, make_gateway, engine, run_id):
+        kafka_bootstrap, make_gateway, engine, run_id, sharing):
     """Shared sessions: a replica serving its own session's calls rebuilds nothing; after another replica served a
     turn, its next call rebuilds the session once (and sees that turn), and the calls after it rebuild nothing."""
     agent = CountingAgent()
     rebuilt = lambda url: httpx.get(f"{url}/health").json()["sessions_refreshed"]  # noqa: E731
-    with make_gateway(engines=(engine,), shared_sessions=True) as a, \
-            make_gateway(engines=(engine,), shared_sessions=True) as b:
+    with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         for _ in range(3):
@@ -215,7 +223,8 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
     """`--workers 2`: one port, two processes; each call on a new connection goes to either; once a worker has
     served a session the other opened, the sessions' turns are all recorded once, in order."""
     with gateway_process(engine, kafka_bootstrap, "--workers", "2") as (url, _):
-        assert len(_workers(url)) == 2
+        workers = _workers(url)
+        assert len(workers) == 2 and {h["sessions_shared_by"] for h in workers.values()} == {"ledger"}
         agents = [(CountingAgent(), open_session(url, run_id)) for _ in range(3)]
         for _ in range(12):
             for agent, session in agents:
@@ -232,12 +241,11 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
 
 
 def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(
-        kafka_bootstrap, make_gateway, run_id):
+        kafka_bootstrap, make_gateway, run_id, sharing):
     """No lock spans replicas: two calls of one session served at once by two replicas (each holding it) both take
     turn 2. The next call finds it (counted in /health), and its turn is numbered past both."""
     with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
-            make_gateway(engines=(slow,), shared_sessions=True) as a, \
-            make_gateway(engines=(slow,), shared_sessions=True) as b:
+            make_gateway(engines=(slow,), **sharing) as a, make_gateway(engines=(slow,), **sharing) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         hi = [{"role": "user", "content": "hi"}]

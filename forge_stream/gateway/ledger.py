@@ -1,0 +1,117 @@
+"""Who recorded for which session, among the processes of one `gateway serve --workers N` (one host).
+
+The workers share a port, and the kernel hands each connection to any of them, so one session's calls reach
+several workers. A worker holding a session must know, before serving a call, whether another worker recorded for
+it since (then it rebuilds the session from its events on Kafka, as on a miss). Across hosts, that takes a
+following of Kafka (`--shared-sessions`: forge_stream.kafka.sessionlog, an end-offsets lookup per call and a tail
+of every record). On one host the workers can tell each other directly, in a file they all map into memory:
+
+    pids      N slots of 8 bytes: the pid of the worker that holds each slot (0: free)
+    counters  BUCKETS x N counters of 4 bytes: how many times worker j recorded for a session of bucket b
+
+A worker bumps its own counter of the session's bucket after Kafka acknowledged what it recorded, and before it
+answers its caller. Before serving a call of a held session, it reads the other workers' counters of that bucket:
+unchanged since it last brought the session up to date means nobody else recorded for it, so the call costs two
+memory reads instead of a round trip to the broker; changed means it rebuilds the session first. Each counter has
+one writer (its worker), so no lock is taken per call; a 4-byte aligned store is atomic. Sessions that share a
+bucket (crc32 of the id, 262,144 buckets) can only cause a needless rebuild, never a missed one.
+
+A worker takes a slot at start under an exclusive `flock` of the file: a free one, or that of a worker that died
+(uvicorn starts a new worker in its place). The file lives as long as `serve` runs (`WorkerLedger.create`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import tempfile
+import zlib
+from pathlib import Path
+
+BUCKETS = 1 << 18
+_PID_BYTES = 8
+
+
+def _size(workers: int) -> int:
+    return workers * _PID_BYTES + BUCKETS * workers * 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class WorkerLedger:
+    """One worker's view of the host's ledger file (`path`, made by `create` for `workers` processes)."""
+
+    def __init__(self, path: str, workers: int):
+        self.path, self.workers = path, workers
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != _size(workers):
+                raise ValueError(f"{path} is not a ledger for {workers} workers")
+            self._map = mmap.mmap(fd, _size(workers))
+            self.slot = self._claim(fd)
+        finally:
+            os.close(fd)
+        self._pids = memoryview(self._map)[:workers * _PID_BYTES].cast("Q")
+        self._counters = memoryview(self._map)[workers * _PID_BYTES:].cast("I")
+
+    @staticmethod
+    def create(workers: int, directory: str | None = None) -> str:
+        """A new ledger file for `workers` processes (in /dev/shm where there is one: memory, not disk); remove it
+        when they are gone."""
+        if directory is None and Path("/dev/shm").is_dir():
+            directory = "/dev/shm"
+        fd, path = tempfile.mkstemp(prefix="forge-gateway-ledger-", dir=directory)
+        try:
+            os.ftruncate(fd, _size(workers))
+        finally:
+            os.close(fd)
+        return path
+
+    def _claim(self, fd: int) -> int:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            pids = memoryview(self._map)[:self.workers * _PID_BYTES].cast("Q")
+            try:
+                for slot in range(self.workers):
+                    if pids[slot] == 0 or not _alive(pids[slot]):
+                        pids[slot] = os.getpid()
+                        return slot
+            finally:
+                pids.release()
+            raise RuntimeError(f"all {self.workers} slots of the gateway's worker ledger {self.path} are held by "
+                               "running workers: is another `gateway serve` using it?")
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _bucket(self, session_id: str) -> int:
+        return (zlib.crc32(session_id.encode()) % BUCKETS) * self.workers
+
+    def others(self, session_id: str) -> tuple[int, ...]:
+        """The other workers' counters of the session's bucket (compare them with those seen when the session was
+        last brought up to date)."""
+        base = self._bucket(session_id)
+        row = self._counters[base:base + self.workers].tolist()
+        del row[self.slot]
+        return tuple(row)
+
+    def wrote(self, session_id: str) -> None:
+        """This worker recorded for the session (Kafka acknowledged it)."""
+        i = self._bucket(session_id) + self.slot
+        self._counters[i] = (self._counters[i] + 1) & 0xFFFFFFFF
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        self._pids[self.slot] = 0
+        self._pids.release()
+        self._counters.release()
+        self._map.close()

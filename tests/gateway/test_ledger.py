@@ -1,0 +1,42 @@
+"""The workers' ledger of `gateway serve --workers N`: each worker sees what the others recorded, never its own
+writes; slots are taken once and a dead worker's slot goes to its replacement."""
+
+import subprocess
+import sys
+
+import pytest
+
+from forge_stream.gateway.ledger import WorkerLedger
+
+
+def test_a_worker_sees_the_others_writes_for_a_session_and_not_its_own(tmp_path):
+    path = WorkerLedger.create(3, str(tmp_path))
+    a, b, c = (WorkerLedger(path, 3) for _ in range(3))
+    assert {a.slot, b.slot, c.slot} == {0, 1, 2}
+    seen = b.others("s1"), c.others("s1")
+    a.wrote("s1")
+    assert a.others("s1") == (0, 0)  # its own write is not news to it
+    assert b.others("s1") != seen[0] and c.others("s1") != seen[1]
+    before = a.others("s1")
+    c.wrote("s1")
+    c.wrote("s1")
+    assert a.others("s1") != before
+    assert b.others("s2") == c.others("s2") == (0, 0)  # another session (another bucket) is untouched
+    for ledger in (a, b, c):
+        ledger.close()
+
+
+def test_slots_are_held_until_their_worker_is_gone(tmp_path):
+    path = WorkerLedger.create(2, str(tmp_path))
+    a = WorkerLedger(path, 2)
+    # a worker in another process takes the other slot and dies without letting it go (SIGKILL)
+    subprocess.run([sys.executable, "-c", f"from forge_stream.gateway.ledger import WorkerLedger; "
+                    f"import os; WorkerLedger({path!r}, 2); os._exit(0)"], check=True)
+    replacement = WorkerLedger(path, 2)  # uvicorn's new worker takes the dead one's slot
+    assert replacement.slot == 1 - a.slot
+    with pytest.raises(RuntimeError, match="held by running workers"):
+        WorkerLedger(path, 2)
+    with pytest.raises(ValueError, match="not a ledger for 3 workers"):
+        WorkerLedger(path, 3)
+    a.close()
+    assert WorkerLedger(path, 2).slot == a.slot  # closed: free again
