@@ -143,8 +143,13 @@ class GatewayService:
             except KafkaException as exc:  # refused before sending: too large, or the producer is broken
                 error = exc
                 break
-        timeout = self.settings.ack_timeout_ms / 1000 + 5
-        results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
+        results: list = []
+        async with asyncio.timeout(self.settings.ack_timeout_ms / 1000 + 5):  # librdkafka's own timeout comes first
+            for future in futures:  # one after another: no gather or wait_for task on the hot path
+                try:
+                    results.append(await future)
+                except Exception as exc:  # noqa: BLE001 - a DeliveryError, told to the caller below
+                    results.append(exc)
         if isinstance(error, KafkaException) and error.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
             raise GatewayError(413, f"This request's {topic.name} event is larger than Kafka accepts; send less "
                                     f"(shorter metadata, tool arguments or prompts).", "invalid_request_error")
