@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -238,6 +239,40 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
             assert finish.status_code == 200, finish.text
     for agent, session in agents:
         agent.check(kafka_bootstrap, session["session_id"])
+
+
+def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_on_whole(
+        kafka_bootstrap, engine, run_id):
+    """`--workers 2` shares sessions through the ledger: turns land on either worker (a new connection per call);
+    SIGKILL one mid-session: the other serves the next turns, uvicorn starts a worker in its place, which takes the
+    dead one's ledger slot; every turn is on Kafka once, in order, each extending the one before."""
+    agent = CountingAgent()
+    with gateway_process(engine, kafka_bootstrap, "--workers", "2") as (url, _):
+        session = open_session(url, run_id)
+        sid, path = session["session_id"], session["path"]
+        for _ in range(30):  # until both workers served it (the kernel picks the worker of each connection)
+            agent.turn(url + path)
+            workers = _workers(url)
+            if len(agent.sent) >= 4 and sum(h["sessions_restored"] for h in workers.values()) > 0:
+                break
+        assert sum(h["sessions_restored"] for h in workers.values()) > 0
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(4):
+            agent.turn(url + path)
+        deadline = time.monotonic() + 60
+        while victim in (workers := _workers(url, tries=50)) or len(workers) < 2:
+            assert time.monotonic() < deadline, f"no worker replaced {victim}: {sorted(workers)}"
+            time.sleep(0.5)
+        for _ in range(6):
+            agent.turn(url + path)
+        finish = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"status": "ok"})
+        assert finish.status_code == 200, finish.text
+        assert sum(h["turn_collisions"] for h in _workers(url).values()) == 0
+    agent.check(kafka_bootstrap, sid)
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert end["num_completions"] == len(agent.sent)
 
 
 def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(
