@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,17 @@ def start_worker(bootstrap: str, app_id: str, data_dir: Path, timeout_s: float) 
          "-b", bootstrap, "--data-dir", str(data_dir), "--app-id", app_id,
          "--group-timeout-s", str(timeout_s), "--tick-s", "0.5"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def worker_running(bootstrap: str, app_id: str, data_dir: Path, timeout_s: float = 600):
+    """`start_worker`, SIGKILLed when the block ends."""
+    worker = start_worker(bootstrap, app_id, data_dir, timeout_s)
+    try:
+        yield worker
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def produce(bootstrap: str, events: list[tuple[str, dict]]) -> None:
@@ -141,13 +153,9 @@ def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
         want += expected(evs, settings, timeout_at=first + settings.group_timeout_ms if gid.endswith("g1") else None)
     want_ids = {r["event_id"] for _, _, r in want}
 
-    worker = start_worker(kafka_bootstrap, f"proc-{run_id}", tmp_path / "worker", settings.group_timeout_ms / 1000)
-    try:
+    with worker_running(kafka_bootstrap, f"proc-{run_id}", tmp_path / "worker", settings.group_timeout_ms / 1000):
         reader = Reader(kafka_bootstrap, run_id)
         reader.poll_until(lambda r: want_ids <= {rec["event_id"] for _, _, rec in r.seen} and len(r.of("DeadLetter")) >= 2)
-    finally:
-        worker.kill()
-        worker.wait()
 
     samples = reader.unique("TrainSample")
     assert sorted(samples.values(), key=lambda r: r["group_id"]) == [r for _, s, r in want if s == "TrainSample"]
@@ -173,19 +181,11 @@ def test_sigkill_and_restart_yield_one_identical_sample_per_group(kafka_bootstra
     app_id, data_dir = f"proc-kill-{run_id}", tmp_path / "worker"
     reader = Reader(kafka_bootstrap, run_id)
 
-    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
-    try:
+    with worker_running(kafka_bootstrap, app_id, data_dir):  # SIGKILLed once a group is out
         reader.poll_until(lambda r: len(r.unique("TrainSample")) >= 1)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
     produce(kafka_bootstrap, rest)
-    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
-    try:
+    with worker_running(kafka_bootstrap, app_id, data_dir):
         reader.poll_until(lambda r: len(r.unique("TrainSample")) == 6)
-    finally:
-        worker.kill()
-        worker.wait()
 
     samples = reader.unique("TrainSample")  # asserts that every copy of an id has the same content
     assert sorted(s["group_id"] for s in samples.values()) == sorted(groups)
@@ -298,12 +298,8 @@ def test_a_record_the_consumer_skipped_is_read_back_from_kafka_and_folded(kafka_
     mover.close()
 
     reader = Reader(kafka_bootstrap, run_id)
-    worker = start_worker(kafka_bootstrap, app_id, data_dir, 600)
-    try:
+    with worker_running(kafka_bootstrap, app_id, data_dir):
         reader.poll_until(lambda r: len(r.unique("TrainSample")) == 1)
-    finally:
-        worker.kill()
-        worker.wait()
     [sample] = reader.unique("TrainSample").values()
     [want] = [r for _, s, r in expected(events, settings) if s == "TrainSample"]
     assert sample == want
