@@ -304,6 +304,7 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
     topics = create_topics(settings.bootstrap)
     check_topics(settings.bootstrap)
+    settings.record_deployment()  # `status`, `down`, `rollout`... from any shell find this Kafka
     names = [p.spec.name for p in placements]
     if "engine" in names and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)

@@ -5,6 +5,7 @@ Nothing below the entry points reads the environment; code receives these object
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,3 +50,25 @@ class ForgeSettings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return self.bootstrap_servers is None
+
+    @property
+    def deployment_file(self) -> Path:
+        """Which Kafka `forge-stream up` last ran this home's services on (written by `up`)."""
+        return self.run_dir / "kafka.json"
+
+    def record_deployment(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.deployment_file.write_text(json.dumps({
+            "bootstrap_servers": self.bootstrap_servers, "kafka_port": self.kafka_port,
+            "kafka_controller_port": self.kafka_controller_port}))
+
+    def as_deployed(self) -> "ForgeSettings":
+        """These settings with the Kafka that `up` last used in this home (its embedded broker's ports, or its
+        external cluster), so a later command from a shell without the same FORGE_* variables addresses the
+        running deployment instead of the default port; unchanged if `up` never ran here."""
+        try:
+            recorded = json.loads(self.deployment_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return self
+        return self.model_copy(update={k: recorded[k] for k in (
+            "bootstrap_servers", "kafka_port", "kafka_controller_port") if k in recorded})

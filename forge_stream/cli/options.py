@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -25,6 +26,13 @@ def ready_kafka(bootstrap: str) -> None:
         raise typer.Exit(3)
 
 
+_KAFKA_ENV = ("FORGE_BOOTSTRAP_SERVERS", "FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT")
+
+
 def settings(bootstrap_servers: Optional[str] = None) -> ForgeSettings:
-    overrides = {"bootstrap_servers": bootstrap_servers} if bootstrap_servers else {}
-    return ForgeSettings(**overrides)
+    """The flags over FORGE_* variables over defaults; where neither a flag nor a variable names Kafka, the Kafka
+    that `forge-stream up` runs this home on (ForgeSettings.as_deployed)."""
+    if bootstrap_servers:
+        return ForgeSettings(bootstrap_servers=bootstrap_servers)
+    cfg = ForgeSettings()
+    return cfg if any(os.environ.get(name) for name in _KAFKA_ENV) else cfg.as_deployed()

@@ -58,6 +58,11 @@ def test_up_status_down_up_keeps_data(tmp_path):
         lag = status["consumer_groups"]["half-reader"]["lag"]
         assert lag == status["topics"][TOPICS.tasks.name]["end_offsets"]["0"] - 1
         assert status["services"]["registry"]["healthy"]
+        # from a shell that only knows the home (no FORGE_KAFKA_PORT): the deployment's Kafka, not the default
+        home_only = {k: v for k, v in env.items() if k not in ("FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT")}
+        status = json.loads(cli(home_only, "status", "--json"))
+        assert status["bootstrap_servers"] == bootstrap and status["reachable"]
+        assert status["topics"][TOPICS.tasks.name]["messages"] == 20
 
         down = json.loads(cli(env, "down", "--json"))
         assert down["stopped_broker"] and set(down["stopped_services"]) == set(up["services"])
