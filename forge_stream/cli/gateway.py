@@ -78,12 +78,9 @@ def serve(
         _settle_gc()
         uvicorn.run(app, **options)
         return
-    ledger = WorkerLedger.create(workers)  # how the workers tell each other which sessions they recorded for
-    try:
+    with WorkerLedger.hosted(workers) as ledger:  # how the workers tell each other which sessions they recorded for
         os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(gateway, worker_ledger=ledger)))
         uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, **options)
-    finally:
-        os.unlink(ledger)
 
 
 def worker_app():

@@ -17,7 +17,9 @@ one writer (its worker), so no lock is taken per call; a 4-byte aligned store is
 bucket (crc32 of the id, 262,144 buckets) can only cause a needless rebuild, never a missed one.
 
 A worker takes a slot at start under an exclusive `flock` of the file: a free one, or that of a worker that died
-(uvicorn starts a new worker in its place). The file lives as long as `serve` runs (`WorkerLedger.create`).
+(uvicorn starts a new worker in its place). The file lives as long as `serve` runs (`WorkerLedger.hosted`), which
+holds a POSIX read lock on it meanwhile: a `serve` that was SIGKILLed leaves its file behind unlocked, and the next
+`serve` on the host removes it (2 MiB of memory per worker in /dev/shm otherwise, for every crash).
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ import fcntl
 import mmap
 import os
 import tempfile
+import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 BUCKETS = 1 << 18
 _PID_BYTES = 8
+_PREFIX = "forge-gateway-ledger-"
+_STALE_AFTER_S = 10.0  # younger files are left alone: their `serve` may be about to lock them
 
 
 def _size(workers: int) -> int:
@@ -45,6 +52,33 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     return True
+
+
+def _default_directory() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def remove_stale(directory: str | None = None) -> list[str]:
+    """Remove the ledger files in `directory` that no running `serve` holds (their `serve` was killed); returns
+    their paths."""
+    removed = []
+    for path in Path(directory or _default_directory() or tempfile.gettempdir()).glob(_PREFIX + "*"):
+        try:
+            if time.time() - path.stat().st_mtime < _STALE_AFTER_S:
+                continue
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its `serve` runs
+            continue
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+        finally:
+            os.close(fd)
+    return removed
 
 
 class WorkerLedger:
@@ -67,14 +101,30 @@ class WorkerLedger:
     def create(workers: int, directory: str | None = None) -> str:
         """A new ledger file for `workers` processes (in /dev/shm where there is one: memory, not disk); remove it
         when they are gone."""
-        if directory is None and Path("/dev/shm").is_dir():
-            directory = "/dev/shm"
-        fd, path = tempfile.mkstemp(prefix="forge-gateway-ledger-", dir=directory)
-        try:
-            os.ftruncate(fd, _size(workers))
-        finally:
-            os.close(fd)
+        fd, path = WorkerLedger._new_file(workers, directory)
+        os.close(fd)
         return path
+
+    @staticmethod
+    @contextmanager
+    def hosted(workers: int, directory: str | None = None) -> Iterator[str]:
+        """A new ledger file, locked (POSIX read lock) and removed when the block ends; first removes the files
+        that `serve` processes which are gone left in the same directory."""
+        directory = directory or _default_directory()
+        remove_stale(directory)
+        fd, path = WorkerLedger._new_file(workers, directory)
+        try:
+            yield path
+        finally:
+            os.unlink(path)
+            os.close(fd)  # and with it the lock
+
+    @staticmethod
+    def _new_file(workers: int, directory: str | None) -> tuple[int, str]:
+        fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory or _default_directory())
+        fcntl.lockf(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, _size(workers))
+        return fd, path
 
     def _claim(self, fd: int) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX)

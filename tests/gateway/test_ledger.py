@@ -1,8 +1,10 @@
 """The workers' ledger of `gateway serve --workers N`: each worker sees what the others recorded, never its own
 writes; slots are taken once and a dead worker's slot goes to its replacement."""
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +42,26 @@ def test_slots_are_held_until_their_worker_is_gone(tmp_path):
         WorkerLedger(path, 3)
     a.close()
     assert WorkerLedger(path, 2).slot == a.slot  # closed: free again
+
+
+def test_a_killed_serve_leaves_a_file_the_next_serve_removes_and_a_running_ones_is_kept(tmp_path):
+    # a `serve` that runs (another process, holding its file) and one that was SIGKILLed (its file left unlocked)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from forge_stream.gateway.ledger import WorkerLedger\n"
+                               f"with WorkerLedger.hosted(2, {str(tmp_path)!r}) as path:\n"
+                               "    print(path, flush=True); time.sleep(60)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        running = holder.stdout.readline().strip()
+        killed = WorkerLedger.create(2, str(tmp_path))
+        young = WorkerLedger.create(2, str(tmp_path))  # just made: its `serve` may be about to lock it
+        for path in (running, killed):
+            os.utime(path, (time.time() - 60, time.time() - 60))
+        with WorkerLedger.hosted(2, str(tmp_path)) as mine:
+            assert os.path.exists(mine) and WorkerLedger(mine, 2).slot == 0
+            assert not os.path.exists(killed)
+            assert os.path.exists(running) and os.path.exists(young)
+        assert not os.path.exists(mine)  # removed when `serve` ends
+    finally:
+        holder.kill()
+        holder.wait()
