@@ -108,7 +108,7 @@ def _machine_cpu_seconds() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
+def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
         bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False
         ) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
@@ -151,9 +151,9 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
         before = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
 
         async def measure() -> dict:
-            await _phase(gateway_port, gateway_reqs, 500)  # warm-up (connections, caches, producer)
+            warm = await _phase(gateway_port, gateway_reqs, 500)  # warm-up (connections, caches, producer)
             await _phase(engine_port, [direct_req] * callers, 500)
-            out = {}
+            out = {"warm-up": warm}
             for c in concurrency:
                 total = requests if c == max(concurrency) else max(requests // 4, 100)
                 direct = await _measured(_phase(engine_port, [direct_req] * c, total), pids)
@@ -169,7 +169,8 @@ def run(requests: int = 4000, prompt_bytes: int = 1000, concurrency: tuple[int, 
             loop.close()
         after = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
 
-    answered = 448 + sum(t["requests"] - t["errors"] for _, t in phases.values())
+    warm = phases.pop("warm-up")
+    answered = warm["requests"] - warm["errors"] + sum(t["requests"] - t["errors"] for _, t in phases.values())
     top_direct, top_gateway = phases[max(concurrency)]
     result = {
         "p50_overhead_ms": top_gateway["p50_ms"] - top_direct["p50_ms"],

@@ -49,7 +49,8 @@ def engine(
 
 @app.command("gateway")
 def gateway(
-    requests: int = typer.Option(4000, help="Requests per phase at the highest concurrency."),
+    requests: int = typer.Option(20000, help="Requests per phase at the highest concurrency (the direct phase "
+                                             "should last a second or more: its rate is the ratio's denominator)."),
     prompt_bytes: int = typer.Option(1000, help="User message size (the scripted engine: 1 token per byte)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
     workers: int = typer.Option(1, help="Gateway processes on its port (gateway serve --workers)."),

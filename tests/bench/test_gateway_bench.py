@@ -1,0 +1,24 @@
+"""`forge-stream bench gateway` at toy size on the test broker: both phases answer every call, every answered call
+through the gateway is a Completion on Kafka, and each process's CPU is accounted. (The figures of the full size
+are in the README; this checks the path and its accounting, not the target.)"""
+
+import pytest
+
+from forge_stream.bench.gateway import run
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_gateway_bench_records_every_call_and_accounts_each_process(kafka_bootstrap, workers):
+    out = run(requests=300, concurrency=(1, 8), bootstrap=kafka_bootstrap, workers=workers)
+    assert out["recorded_events_checked"]  # as many new Completions on the topic as calls answered
+    for phases in out["concurrency"].values():
+        assert phases["direct"]["errors"] == phases["gateway"]["errors"] == 0
+        assert phases["gateway"]["p50_ms"] > 0 and phases["direct"]["per_s"] > 0
+    through = out["cpu_ms_per_request"]["through_gateway"]
+    assert through["gateway"] > 0 and through["engine"] > 0 and through["client"] > 0
+    assert "broker" not in through  # a broker it was given is not its own to measure
+    assert through["machine"] > 0 and out["cpu_ms_per_request"]["direct"]["gateway"] == 0
+    assert 0 < out["gateway_to_engine"] and out["workers"] == workers
+    assert out["sessions_shared_by"] == ("ledger" if workers == 2 else None)
