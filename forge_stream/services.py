@@ -262,13 +262,17 @@ class Supervisor:
         return out
 
 
+# a service writes to a log file: no progress bars there (transformers drew one per checkpoint saved or loaded)
+_LOG_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def _spawn(entry: dict, now: float) -> subprocess.Popen | None:
     try:
         with open(entry["log"], "ab") as log:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} forge-stream supervisor: starting "
                       f"(restart {entry['restarts'] + 1 if entry['last_exit'] else 0})\n".encode())
             log.flush()
-            return start_process(entry["argv"], log, new_session=True, env={**os.environ, **entry["env"]})
+            return start_process(entry["argv"], log, new_session=True, env={**os.environ, **_LOG_ENV, **entry["env"]})
     except OSError as exc:
         entry["quick_exits"] += 1
         entry["last_exit"] = {"reason": f"could not start: {exc}", "at": now, "ran_s": 0.0, "log_tail": ""}

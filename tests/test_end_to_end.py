@@ -49,5 +49,9 @@ def test_agent_rollouts_train_a_new_policy_that_the_engine_serves(tmp_path):
         assert status["topics"]["forge.train_metrics"]["messages"] >= 1
         assert status["topics"]["forge.dlq"]["messages"] == 0
         assert all(s["healthy"] for s in status["services"].values())
+        # the engine loaded the new policy and the trainer saved it: their logs tell so without progress bars
+        logs = Path(env["FORGE_HOME"]) / "run"
+        assert "step 0" in (logs / "trainer.log").read_text()
+        assert not [name for name in ("trainer.log", "engine.log") if "it/s]" in (logs / name).read_text()]
     finally:
         subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
