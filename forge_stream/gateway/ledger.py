@@ -54,15 +54,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _default_directory() -> str | None:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+def _directory(directory: str | None) -> str:
+    """Where ledger files go: `directory`, else /dev/shm where there is one (memory, not disk), else the temp dir."""
+    return directory or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
 
 
-def remove_stale(directory: str | None = None) -> list[str]:
-    """Remove the ledger files in `directory` that no running `serve` holds (their `serve` was killed); returns
-    their paths."""
-    removed = []
-    for path in Path(directory or _default_directory() or tempfile.gettempdir()).glob(_PREFIX + "*"):
+def remove_stale(directory: str) -> None:
+    """Remove the ledger files in `directory` that no running `serve` holds (their `serve` was killed)."""
+    for path in Path(directory).glob(_PREFIX + "*"):
         try:
             if time.time() - path.stat().st_mtime < _STALE_AFTER_S:
                 continue
@@ -75,10 +74,8 @@ def remove_stale(directory: str | None = None) -> list[str]:
             continue
         else:
             path.unlink(missing_ok=True)
-            removed.append(str(path))
         finally:
             os.close(fd)
-    return removed
 
 
 class WorkerLedger:
@@ -99,9 +96,8 @@ class WorkerLedger:
 
     @staticmethod
     def create(workers: int, directory: str | None = None) -> str:
-        """A new ledger file for `workers` processes (in /dev/shm where there is one: memory, not disk); remove it
-        when they are gone."""
-        fd, path = WorkerLedger._new_file(workers, directory)
+        """A new ledger file for `workers` processes; remove it when they are gone."""
+        fd, path = WorkerLedger._new_file(workers, _directory(directory))
         os.close(fd)
         return path
 
@@ -110,7 +106,7 @@ class WorkerLedger:
     def hosted(workers: int, directory: str | None = None) -> Iterator[str]:
         """A new ledger file, locked (POSIX read lock) and removed when the block ends; first removes the files
         that `serve` processes which are gone left in the same directory."""
-        directory = directory or _default_directory()
+        directory = _directory(directory)
         remove_stale(directory)
         fd, path = WorkerLedger._new_file(workers, directory)
         try:
@@ -120,8 +116,8 @@ class WorkerLedger:
             os.close(fd)  # and with it the lock
 
     @staticmethod
-    def _new_file(workers: int, directory: str | None) -> tuple[int, str]:
-        fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory or _default_directory())
+    def _new_file(workers: int, directory: str) -> tuple[int, str]:
+        fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
         fcntl.lockf(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, _size(workers))
         return fd, path
