@@ -84,11 +84,7 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
     acked: dict[str, float] = {}
     lock = threading.Lock()
     with tempfile.TemporaryDirectory() as data_dir:
-        worker = proc.start_process(
-            [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
-             "-b", bootstrap, "--data-dir", data_dir, "--app-id", f"bench-processors-{run_id}",
-             "--offset-reset", "latest", "-l", "warning"],
-            Path(data_dir) / "worker.log", cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        worker = None
         probes = itertools.count()
 
         def probe() -> bool:
@@ -99,6 +95,11 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
             return samples.wait_for({gid}, 3.0)
 
         try:
+            worker = proc.start_process(
+                [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
+                 "-b", bootstrap, "--data-dir", data_dir, "--app-id", f"bench-processors-{run_id}",
+                 "--offset-reset", "latest", "-l", "warning"],
+                Path(data_dir) / "worker.log", cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
             proc.wait_healthy("the processors worker", worker, check=probe, log=Path(data_dir) / "worker.log",
                               timeout=180, interval=0)
             ids = [f"bench-{run_id}-{i}" for i in range(groups)]
@@ -111,7 +112,8 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
             if not samples.wait_for(set(ids), timeout_s):
                 raise RuntimeError(f"only {len(set(ids) & samples.arrived.keys())}/{groups} samples arrived")
         finally:
-            proc.stop(worker, 30)
+            if worker is not None:
+                proc.stop(worker, 30)
             producer.close()
             samples.tail.close()
     latencies = [(samples.arrived[g] - acked[g]) * 1000 for g in ids]

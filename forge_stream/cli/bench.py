@@ -1,24 +1,43 @@
 """`forge-stream bench ...`: benchmarks that print one JSON object (never timed asserts in tests)."""
 
 import json
+import signal
+import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
 
 from forge_stream.cli.options import JsonOption
 
-app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON object.")
 
-
-@app.callback()
-def _stop_cleanly_on_sigterm() -> None:
+class _StopsOnSigterm(TyperGroup):
     """A benchmark starts its own broker and services and stops them in `finally`; SIGTERM (a `kill`, a CI
-    timeout) ends Python without running it, leaving them behind. Made a SystemExit, it unwinds like Ctrl-C."""
-    import signal
-    import sys
+    timeout) ends Python without running it, leaving them behind. Made a SystemExit, it unwinds like Ctrl-C, and
+    the exit status is 128 + SIGTERM even when stopping something fails on the way out (that error is printed)."""
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    def invoke(self, ctx):
+        terminated: list[int] = []
+
+        def on_sigterm(signum, frame):
+            terminated.append(signum)
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return super().invoke(ctx)
+        except BaseException as exc:
+            code = 128 + terminated[0] if terminated else None
+            if code is None or (isinstance(exc, SystemExit) and exc.code == code):
+                raise
+            print("stopped by SIGTERM; cleaning up then failed:", file=sys.stderr)
+            traceback.print_exception(exc, file=sys.stderr)
+            raise SystemExit(code) from None
+
+
+app = typer.Typer(cls=_StopsOnSigterm, no_args_is_help=True, help="Benchmarks; each prints one JSON object.")
 
 
 def emit(result: dict, as_json: bool) -> None:
