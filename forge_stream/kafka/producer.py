@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections import deque
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -54,14 +55,9 @@ class EventProducer:
         # polls or flushes; a deque, whose append and popleft are atomic across threads)
         self._acked: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future, KafkaError | None, object]] = deque()
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="forge-producer-poll", daemon=True)
+        self._poller = threading.Thread(target=_serve, args=(weakref.ref(self), self._stop),
+                                        name="forge-producer-poll", daemon=True)
         self._poller.start()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self._producer.poll(0.05)
-            self._hand_over()
-        self._hand_over()  # what a last flush served
 
     def _hand_over(self) -> None:
         """Settle the futures of the acknowledgements served since the last call, one loop wake-up per loop."""
@@ -122,12 +118,33 @@ class EventProducer:
         if remaining:
             raise DeliveryError(f"{remaining} records were still unacknowledged after {timeout:.0f}s")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush (DeliveryError if records stay unacknowledged after `timeout` s), then release the client: its threads and broker
+        connections end here, not whenever the garbage collector gets to it. Closing twice does nothing."""
+        if self._stop.is_set():
+            return
         try:
-            self.flush()
+            self.flush(timeout)
         finally:
             self._stop.set()
             self._poller.join()
+            self._producer.purge()  # what the flush left (Kafka away) is dropped, not waited for by close()
+            self._producer.close()
+
+
+def _serve(ref: weakref.ref[EventProducer], stop: threading.Event) -> None:
+    """The poll thread. It holds its producer only while it polls, so a producer nobody closed is freed, with its
+    client's threads and broker connections, once nothing else refers to it (not kept for the process's life)."""
+    while not stop.is_set():
+        producer = ref()
+        if producer is None:
+            return
+        producer._producer.poll(0.05)
+        producer._hand_over()
+        del producer
+    producer = ref()
+    if producer is not None:
+        producer._hand_over()  # what a last flush served
 
 
 def _settle_all(settled: list[tuple[asyncio.Future, KafkaError | None, object]]) -> None:
