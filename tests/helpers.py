@@ -44,8 +44,10 @@ def serving(app) -> Iterator[str]:
 
 def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> list[dict]:
     """Every record of `topic` matching `where`, from the beginning to the current end of each partition (events
-    a service acknowledged are all below it). No consumer group is used."""
-    return [event.record for event in read_slice(bootstrap, topic, Slice()) if where(event.record)]
+    a service acknowledged are all below it). No consumer group is used. Records of a schema the topic does not
+    carry (tests/kafka/test_dlq.py writes a Task to forge.rewards) are passed over."""
+    return [event.record for event in read_slice(bootstrap, topic, Slice())
+            if event.schema in topic.value_schemas and where(event.record)]
 
 
 @contextmanager
