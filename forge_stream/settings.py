@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+KAFKA_FIELDS = ("bootstrap_servers", "kafka_port", "kafka_controller_port")  # which Kafka `up` records
+
 
 class ForgeSettings(BaseSettings):
     """Where things live and how to reach Kafka. Env: FORGE_HOME, FORGE_BOOTSTRAP_SERVERS, ..."""
@@ -58,9 +60,7 @@ class ForgeSettings(BaseSettings):
 
     def record_deployment(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.deployment_file.write_text(json.dumps({
-            "bootstrap_servers": self.bootstrap_servers, "kafka_port": self.kafka_port,
-            "kafka_controller_port": self.kafka_controller_port}))
+        self.deployment_file.write_text(json.dumps({k: getattr(self, k) for k in KAFKA_FIELDS}))
 
     def as_deployed(self) -> "ForgeSettings":
         """These settings with the Kafka that `up` last used in this home (its embedded broker's ports, or its
@@ -70,5 +70,4 @@ class ForgeSettings(BaseSettings):
             recorded = json.loads(self.deployment_file.read_text())
         except (FileNotFoundError, ValueError):
             return self
-        return self.model_copy(update={k: recorded[k] for k in (
-            "bootstrap_servers", "kafka_port", "kafka_controller_port") if k in recorded})
+        return self.model_copy(update={k: recorded[k] for k in KAFKA_FIELDS if k in recorded})

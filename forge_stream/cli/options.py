@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.settings import ForgeSettings
+from forge_stream.settings import KAFKA_FIELDS, ForgeSettings
 
 BootstrapOption = typer.Option(None, "--bootstrap-servers", "-b", envvar="FORGE_BOOTSTRAP_SERVERS",
                                help="An external Kafka cluster; without it the embedded local broker is used.")
@@ -26,7 +26,7 @@ def ready_kafka(bootstrap: str) -> None:
         raise typer.Exit(3)
 
 
-_KAFKA_ENV = ("FORGE_BOOTSTRAP_SERVERS", "FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT")
+_KAFKA_ENV = tuple(f"FORGE_{field.upper()}" for field in KAFKA_FIELDS)
 
 
 def settings(bootstrap_servers: Optional[str] = None) -> ForgeSettings:

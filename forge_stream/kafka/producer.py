@@ -119,8 +119,9 @@ class EventProducer:
             raise DeliveryError(f"{remaining} records were still unacknowledged after {timeout:.0f}s")
 
     def close(self, timeout: float = 30.0) -> None:
-        """Flush (DeliveryError if records stay unacknowledged after `timeout` s), then release the client: its threads and broker
-        connections end here, not whenever the garbage collector gets to it. Closing twice does nothing."""
+        """Flush (DeliveryError if records stay unacknowledged after `timeout` s), then release the client: its
+        threads and broker connections end here, not whenever the garbage collector gets to it. Closing twice does
+        nothing."""
         if self._stop.is_set():
             return
         try:
