@@ -62,6 +62,7 @@ def serve(
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.ledger import WorkerLedger
     from forge_stream.gateway.settings import GatewaySettings
+    from forge_stream.gateway.workers import run_workers
 
     bootstrap = settings(bootstrap_servers).bootstrap
     ready_kafka(bootstrap)
@@ -80,7 +81,7 @@ def serve(
         return
     with WorkerLedger.hosted(workers) as ledger:  # how the workers tell each other which sessions they recorded for
         os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(gateway, worker_ledger=ledger)))
-        uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+        run_workers(uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **options))
 
 
 def worker_app():

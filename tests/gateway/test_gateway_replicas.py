@@ -1,13 +1,16 @@
 """Sessions outlive their gateway: another replica, or the same gateway restarted, rebuilds a session it does not hold
 from its events on Kafka and serves it on (turn numbers, prompt references, pending tool calls, finished or not)."""
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -239,6 +242,42 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
             assert finish.status_code == 200, finish.text
     for agent, session in agents:
         agent.check(kafka_bootstrap, session["session_id"])
+
+
+def _listening_sockets(port: int) -> int:
+    """How many TCP sockets listen on `port` on this host (/proc/net/tcp: state 0A)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A")
+
+
+def test_workers_each_accept_on_their_own_socket_so_a_burst_of_connections_is_shared(kafka_bootstrap, engine):
+    """`--workers 2` listens with one socket per worker (SO_REUSEPORT): 64 connections opened at once, as a load
+    balancer's pool or 64 starting agents open them, are spread over both workers by the kernel. (With one socket
+    shared, each worker took what it could when woken: under `bench gateway`'s 64 callers one did twice the other's
+    work and ran out of CPU first.)"""
+
+    async def pid_of(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return orjson.loads(await reader.readexactly(length))["pid"]
+
+    async def burst(port: int) -> list[int]:
+        connections = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(64)))
+        try:
+            return await asyncio.gather(*(pid_of(reader, writer) for reader, writer in connections))
+        finally:
+            for _, writer in connections:
+                writer.close()
+
+    with gateway_process(engine, kafka_bootstrap, "--workers", "2") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        assert len(_workers(url)) == 2
+        assert _listening_sockets(port) == 2
+        pids = asyncio.run(burst(port))
+    shares = sorted(Counter(pids).values())
+    assert len(shares) == 2 and shares[0] >= 12, f"connections per worker: {shares}"  # hashing: 32 +- 4
 
 
 def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_on_whole(

@@ -1,0 +1,51 @@
+"""`gateway serve --workers N`: N processes on one port under uvicorn's supervisor, each accepting from a listening
+socket of its own.
+
+uvicorn's workers share one listening socket, and each accepts what it can when the socket wakes them all, so
+how new connections (a load balancer's pool, 64 agents starting) divide depends on which worker was free when they
+came: under `bench gateway`'s 64 keep-alive callers one of two workers did twice the other's work (CPU seconds) and
+ran out of CPU while the other waited. With one socket per worker on the port (SO_REUSEPORT), the kernel hands each new connection to one of them
+by a hash of its addresses: an even share for each worker, however the connections arrive.
+
+The supervisor is uvicorn's (it restarts a worker that dies and stops them all on SIGINT/SIGTERM); it hands each
+worker it spawns the sockets it was given, pickled. It is given one socket of the port, bound but never listening
+(it holds the port, so a port in use fails at start, before any worker runs), whose pickle is a recipe: each worker
+that unpickles it binds a new socket of its own to the same address. The cost of the kernel's choice: a worker that
+stops resets the connections still waiting in its queue (accepted by no one yet), where a shared queue would be
+drained by the others; a client retries those (the OpenAI SDK does, on connection errors).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+from uvicorn.supervisors import Multiprocess
+
+
+def _reuse_port_socket(family: int, address: tuple) -> socket.socket:
+    """A socket of its own bound to `address`, which other sockets with SO_REUSEPORT may share."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    return sock
+
+
+class _PortForEachWorker(socket.socket):
+    """The port, bound with SO_REUSEPORT and not listening; a worker unpickling it binds a socket of its own there."""
+
+    def __reduce__(self):
+        return _reuse_port_socket, (self.family, self.getsockname()[:2])
+
+
+def run_workers(config: uvicorn.Config) -> None:
+    """Serve `config` (an import string app) with `config.workers` processes, each on its own socket of the port;
+    returns when they are stopped (SIGINT, SIGTERM)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    port = _PortForEachWorker(family, socket.SOCK_STREAM)
+    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    port.bind((config.host, config.port))
+    with port:
+        Multiprocess(config, sockets=[port]).run()
