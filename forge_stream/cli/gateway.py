@@ -62,7 +62,7 @@ def serve(
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.ledger import WorkerLedger
     from forge_stream.gateway.settings import GatewaySettings
-    from forge_stream.gateway.workers import run_workers
+    from forge_stream.gateway.workers import bind_port, run_workers
 
     bootstrap = settings(bootstrap_servers).bootstrap
     ready_kafka(bootstrap)
@@ -79,9 +79,16 @@ def serve(
         _settle_gc()
         uvicorn.run(app, **options)
         return
+    try:
+        listening = bind_port(host, port)
+    except OSError as exc:
+        typer.echo(f"gateway serve: cannot listen on {host}:{port}: {exc.strerror}. Is another process serving "
+                   "there? Stop it or choose another --port.", err=True)
+        raise typer.Exit(1)
     with WorkerLedger.hosted(workers) as ledger:  # how the workers tell each other which sessions they recorded for
         os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(gateway, worker_ledger=ledger)))
-        run_workers(uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **options))
+        run_workers(uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **options),
+                    listening)
 
 
 def worker_app():

@@ -39,13 +39,21 @@ class _PortForEachWorker(socket.socket):
         return _reuse_port_socket, (self.family, self.getsockname()[:2])
 
 
-def run_workers(config: uvicorn.Config) -> None:
-    """Serve `config` (an import string app) with `config.workers` processes, each on its own socket of the port;
-    returns when they are stopped (SIGINT, SIGTERM)."""
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    port = _PortForEachWorker(family, socket.SOCK_STREAM)
-    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    port.bind((config.host, config.port))
+def bind_port(host: str, port: int) -> socket.socket:
+    """The port for `run_workers`, bound (SO_REUSEPORT) and not listening; OSError if it cannot be (in use)."""
+    sock = _PortForEachWorker(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_workers(config: uvicorn.Config, port: socket.socket) -> None:
+    """Serve `config` (an import string app) with `config.workers` processes, each on its own socket of `port`
+    (from `bind_port`, closed here); returns when they are stopped (SIGINT, SIGTERM)."""
     with port:
         Multiprocess(config, sockets=[port]).run()

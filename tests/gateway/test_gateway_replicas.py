@@ -4,6 +4,7 @@ from its events on Kafka and serves it on (turn numbers, prompt references, pend
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -278,6 +279,16 @@ def test_workers_each_accept_on_their_own_socket_so_a_burst_of_connections_is_sh
         pids = asyncio.run(burst(port))
     shares = sorted(Counter(pids).values())
     assert len(shares) == 2 and shares[0] >= 12, f"connections per worker: {shares}"  # hashing: 32 +- 4
+
+
+def test_workers_on_a_port_in_use_are_refused_with_what_to_do(kafka_bootstrap, engine):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine", engine, "--port",
+                               str(port), "--bootstrap-servers", kafka_bootstrap, "--workers", "2"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "choose another --port" in done.stderr
 
 
 def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_on_whole(
