@@ -3,9 +3,10 @@ socket of its own.
 
 uvicorn's workers share one listening socket, and each accepts what it can when the socket wakes them all, so
 how new connections (a load balancer's pool, 64 agents starting) divide depends on which worker was free when they
-came: under `bench gateway`'s 64 keep-alive callers one of two workers did twice the other's work (CPU seconds) and
-ran out of CPU while the other waited. With one socket per worker on the port (SO_REUSEPORT), the kernel hands each new connection to one of them
-by a hash of its addresses: an even share for each worker, however the connections arrive.
+came: in one run of `bench gateway` at 64 keep-alive callers one of two workers did twice the other's work (CPU
+seconds) and ran out of CPU while the other waited (most runs split evenly). With one socket per worker on the port
+(SO_REUSEPORT), the kernel hands each new connection to one of them by a hash of its addresses: an even share for
+each worker, however the connections arrive.
 
 The supervisor is uvicorn's (it restarts a worker that dies and stops them all on SIGINT/SIGTERM); it hands each
 worker it spawns the sockets it was given, pickled. It is given one socket of the port, bound but never listening
