@@ -69,8 +69,8 @@ def serve(
     gateway = GatewaySettings(
         engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
-        ack_timeout_ms=ack_timeout_ms, linger_ms=linger_ms, max_in_flight=max_in_flight, max_waiting=max_waiting, max_wait_s=max_wait_s,
-        shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
+        ack_timeout_ms=ack_timeout_ms, linger_ms=linger_ms, max_in_flight=max_in_flight, max_waiting=max_waiting,
+        max_wait_s=max_wait_s, shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
         finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
         engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions, workers=workers)
     options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s)
