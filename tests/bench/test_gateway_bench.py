@@ -19,6 +19,7 @@ def test_the_gateway_bench_records_every_call_and_accounts_each_process(kafka_bo
     through = out["cpu_ms_per_request"]["through_gateway"]
     assert through["gateway"] > 0 and through["engine"] > 0 and through["client"] > 0
     assert "broker" not in through  # a broker it was given is not its own to measure
-    assert through["machine"] > 0 and out["cpu_ms_per_request"]["direct"]["gateway"] == 0
+    # direct, the gateway idles: its background threads may cross one or two of /proc's 10 ms ticks in a short phase
+    assert through["machine"] > 0 and out["cpu_ms_per_request"]["direct"]["gateway"] < through["gateway"] / 4
     assert 0 < out["gateway_to_engine"] and out["workers"] == workers
     assert out["sessions_shared_by"] == ("ledger" if workers == 2 else None)
