@@ -24,33 +24,34 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 
-def _reuse_port_socket(family: int, address: tuple) -> socket.socket:
-    """A socket of its own bound to `address`, which other sockets with SO_REUSEPORT may share."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(address)
+def _bound(sock: socket.socket, address: tuple) -> socket.socket:
+    """`sock` bound to `address` with SO_REUSEPORT (other such sockets may share the port); closed if it cannot be."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
     return sock
+
+
+def _own_socket(family: int, address: tuple) -> socket.socket:
+    """What a worker gets from unpickling the port: a socket of its own bound there."""
+    return _bound(socket.socket(family, socket.SOCK_STREAM), address)
 
 
 class _PortForEachWorker(socket.socket):
     """The port, bound with SO_REUSEPORT and not listening; a worker unpickling it binds a socket of its own there."""
 
     def __reduce__(self):
-        return _reuse_port_socket, (self.family, self.getsockname()[:2])
+        return _own_socket, (self.family, self.getsockname()[:2])
 
 
 def bind_port(host: str, port: int) -> socket.socket:
     """The port for `run_workers`, bound (SO_REUSEPORT) and not listening; OSError if it cannot be (in use)."""
-    sock = _PortForEachWorker(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return _bound(_PortForEachWorker(family, socket.SOCK_STREAM), (host, port))
 
 
 def run_workers(config: uvicorn.Config, port: socket.socket) -> None:
