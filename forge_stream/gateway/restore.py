@@ -13,16 +13,18 @@ Shared sessions (`GatewaySettings.shared_sessions`): when replicas serve one ses
 holding it may be behind. Each replica follows what the others record (forge_stream.kafka.sessionlog): before a
 call of a held session it waits until that tail has read everything acknowledged before the call (one end-offsets
 lookup, shared by the calls that arrived meanwhile); a Completion another replica recorded past what this one read
-of the session makes it rebuild the session first, and a SessionFinished recorded elsewhere closes it. So a replica
-that keeps serving its sessions reads no session's events per call; a session that moves between replicas is
-rebuilt once per move. A finish rebuilds the session first, so that its SessionFinished counts the completions and
-spans every replica recorded (a span may have been posted to another). There is no lock across replicas: two
-replicas serving one session at the same time can both record turn k. The next call finds it: it is logged as a
-turn collision, counted in /health, and the session rebuilt (turn numbers go on past both).
+of the session makes it catch the session up first, and a SessionFinished recorded elsewhere closes it. So a replica
+that keeps serving its sessions reads no session's events per call; a session that moves between replicas costs one
+catch-up per move: the records since the replica last read the session, folded into what it holds (`fold_more`),
+not the session read again from its start (a turn collision, or a reference to a completion no longer held as a
+lane, rebuilds it from its start instead). A finish catches the session up first, so that its SessionFinished
+counts the completions and spans every replica recorded (a span may have been posted to another). There is no lock
+across replicas: two replicas serving one session at the same time can both record turn k. The next call finds it:
+it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past both).
 
 Workers of one host (`gateway serve --workers N`, `GatewaySettings.worker_ledger`) learn the same from a ledger in
 shared memory instead (forge_stream.gateway.ledger): a held session whose bucket another worker wrote to since it was
-last brought up to date is rebuilt (or closed, if finished there); otherwise a call asks nothing of Kafka.
+last brought up to date is caught up (or closed, if finished there); otherwise a call asks nothing of Kafka.
 
 The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
@@ -151,11 +153,70 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
     return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
 
 
+class NotFoldable(Exception):
+    """What was recorded since a session was last built cannot be added to it: rebuild it from its start."""
+
+
+def fold_more(session: Session, completions: list[dict], spans: list[dict], prompt_refs: bool) -> None:
+    """Add to `session` its Completions and ToolSpans recorded since it was last built (each list in the order
+    recorded, read from where its last build or catch-up ended; those this process recorded, folded already, are
+    among them: known by request id and span id). The result is `fold` of all its records, as long as the others'
+    records come after this process's own in each turn's order; NotFoldable (the session is then left half
+    updated: rebuild it) when they do not: another replica recorded a turn this process also took (a collision),
+    or extended a completion this process no longer holds as a lane."""
+    for span in spans:
+        if span["span_id"] in session.span_ids:
+            continue
+        session.span_ids.add(span["span_id"])
+        if span["source"] == "explicit" and span["tool_call_id"]:
+            session.explicit.add(span["tool_call_id"])
+    answered = {s["tool_call_id"] for s in spans if s["tool_call_id"]}
+    known = {lane.completion_id: lane for lane in session.lanes.values()} if prompt_refs else {}
+    new_requests: set[str] = set()
+    for record in completions:
+        request = record["request_id"]
+        if request in session.requests:
+            continue
+        if request not in new_requests:
+            if record["turn"] < session.turns:
+                raise NotFoldable(f"turn {record['turn']} was recorded by two requests")
+            new_requests.add(request)
+        session.turns = max(session.turns, record["turn"] + 1)
+        session.completions += 1
+        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
+        session.add_pending([call for call in pending_calls(calls, issued_ms=record["done_ms"],
+                                                            completion_id=record["completion_id"],
+                                                            agent=record["agent"])
+                             if call.tool_call_id not in answered])
+        if prompt_refs and _is_chat(record):
+            lane = _lane(record, known)
+            known[lane.completion_id] = lane
+            if lane.prompt:
+                session.lanes[(record["agent"], record["choice_index"])] = lane
+    session.requests |= new_requests
+    for call_id in answered:
+        session.pending.pop(call_id, None)
+
+
+def _lane(record: dict, known: dict[str, Lane]) -> Lane:
+    """A chat Completion as a lane: its whole prompt ids and message digests, its reference looked up in `known`."""
+    added = tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(record["messages_json"]))
+    if record["prompt_ref"] is None:
+        return Lane(record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], added)
+    ref = known.get(record["prompt_ref"])
+    if ref is None or record["prompt_ref_tokens"] > len(ref.prompt) + len(ref.completion):
+        raise NotFoldable(f"completion {record['completion_id']} extends {record['prompt_ref']}, not held here")
+    prompt = (ref.prompt + ref.completion)[:record["prompt_ref_tokens"]] + record["prompt_token_ids"]
+    return Lane(record["completion_id"], prompt, record["completion_token_ids"],
+                ref.messages[:record["prompt_ref_messages"]] + added)
+
+
 class SessionEvents:
     """Blocking reads of one session's events, and its state rebuilt from them."""
 
     def __init__(self, reader: PartitionReader, clock_skew_ms: int):
         self.reader, self.clock_skew_ms = reader, clock_skew_ms
+        self.records_read = 0  # the sessions' records decoded, by rebuilds and catch-ups
 
     def _records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
         """The session's records on `topic` from offset `start` (None: from its start time), and the end read to."""
@@ -165,13 +226,30 @@ class SessionEvents:
         if start is None:
             start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
         records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group, session_id=session.id)]
+        self.records_read += len(records)
         return records, end
 
     def load(self, session: Session, prompt_refs: bool) -> list[int]:
         """Rebuild `session` (keys and start time set) from its events; returns the collided turn numbers."""
-        spans, _ = self._records(TOPICS.tool_spans, session, None)
+        spans, session.spans_seen = self._records(TOPICS.tool_spans, session, None)
         completions, session.seen = self._records(TOPICS.completions, session, None)
         return fold(session, completions, spans, prompt_refs)
+
+    def catch_up(self, session: Session, prompt_refs: bool) -> list[int]:
+        """Bring a held `session` up to date: fold in what was recorded since it was last built or caught up (read
+        from there, not from its start), or rebuild it when that cannot be folded in (`fold_more`) or it was never
+        built here; returns the collided turn numbers."""
+        if session.seen is None or session.spans_seen is None:
+            return self.load(session, prompt_refs)
+        spans, spans_end = self._records(TOPICS.tool_spans, session, session.spans_seen)
+        completions, end = self._records(TOPICS.completions, session, session.seen)
+        try:
+            fold_more(session, completions, spans, prompt_refs)
+        except NotFoldable as exc:
+            log.info("session %s: rebuilt from its start (%s)", session.id, exc)
+            return self.load(session, prompt_refs)
+        session.seen, session.spans_seen = end, spans_end
+        return []
 
     def chat_completion(self, session: Session, request_id: str) -> dict | None:
         """The session's chat completion (choice 0) recorded for `request_id`, its prompt rebuilt whole."""
@@ -201,7 +279,7 @@ class SessionRestorer:
                        if settings.worker_ledger is not None and self.log is None else None)
         self._loading: dict[str, asyncio.Future] = {}
         self.restored = 0
-        self.refreshed = 0  # held sessions rebuilt because another replica recorded for them
+        self.refreshed = 0  # held sessions caught up because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
 
     async def _kafka(self, read, *args):
@@ -259,8 +337,8 @@ class SessionRestorer:
             self.ledger.wrote(session.id)
 
     async def _catch_up(self, session: Session) -> None:
-        """Another worker of this host recorded for a held session (or one sharing its ledger bucket): rebuild it
-        from its events, closing it if it was finished there."""
+        """Another worker of this host recorded for a held session (or one sharing its ledger bucket): catch it up
+        on its events, closing it if it was finished there."""
         async with session.recording:
             seen = self.ledger.others(session.id)  # read before the events: a later write shows at the next call
             if seen == session.ledger_seen or session.status != "open":
@@ -270,14 +348,14 @@ class SessionRestorer:
             if entry is not None and entry.finished is not None:
                 self.store.finished(session)
             else:
-                self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+                self._note(session, await self._kafka(self.events.catch_up, session, self.settings.prompt_refs))
                 self.refreshed += 1
             session.ledger_seen = seen
 
     async def reload(self, session: Session) -> None:
-        """Rebuild a held session from its events."""
+        """Bring a held session up to date with its events (what other replicas recorded too)."""
         async with session.recording:
-            self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+            self._note(session, await self._kafka(self.events.catch_up, session, self.settings.prompt_refs))
 
     async def _refresh(self, session: Session) -> None:
         """Bring a held session up to date with what other replicas recorded for it."""
@@ -295,7 +373,7 @@ class SessionRestorer:
         if self.log.foreign.get(session.id, -1) >= (session.seen or 0):
             async with session.recording:
                 if self.log.foreign.get(session.id, -1) >= (session.seen or 0):
-                    self._note(session, await self._kafka(self.events.load, session, self.settings.prompt_refs))
+                    self._note(session, await self._kafka(self.events.catch_up, session, self.settings.prompt_refs))
                     self.refreshed += 1
 
     async def response(self, session: Session, response_id: str) -> None:

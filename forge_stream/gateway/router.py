@@ -221,6 +221,7 @@ async def health(request: Request) -> dict:
             "open_sessions": service.sessions.open, "admission": service.admission.view(),
             "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
             "turn_collisions": len(service.restorer.collisions),
+            "session_records_read": service.restorer.events.records_read,  # by the rebuilds and catch-ups above
             # how this process learns what other replicas recorded: Kafka (--shared-sessions), the ledger of the
             # host's --workers, or not at all (a session's calls should come here)
             "sessions_shared_by": ("kafka" if service.restorer.log is not None else

@@ -45,6 +45,7 @@ class Session:
     requests: set[str] = field(default_factory=set)  # request ids of the turns this process knows were recorded
     start_ms: int = 0  # when it started (its SessionStarted's timestamp): where its events begin on Kafka
     seen: int | None = None  # its Completions partition is known up to this offset (None: from start_ms)
+    spans_seen: int | None = None  # and its ToolSpans partition up to this one
     ledger_seen: tuple[int, ...] | None = None  # --workers: the other workers' ledger counters it is up to date with
 
     @property

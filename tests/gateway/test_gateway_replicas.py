@@ -121,6 +121,60 @@ def test_a_held_session_is_rebuilt_only_when_another_replica_recorded_for_it(
     agent.check(kafka_bootstrap, sid)
 
 
+def test_a_held_session_catches_up_on_what_was_recorded_since_not_from_its_start(
+        kafka_bootstrap, make_gateway, engine, run_id, sharing):
+    """A session whose calls alternate between two replicas for 24 turns: each replica, before serving a turn, reads
+    only what the other recorded since its own last turn (a few records), not the session from its start (which
+    would read about 24 * 24 / 2 = 288 records over the run). What it folds in is what a full rebuild gives: every
+    turn extends the one before by reference (the lanes are right), and a third replica that rebuilds the session
+    from its start sees the same turns and completions."""
+    agent = CountingAgent()
+    health = lambda url: httpx.get(f"{url}/health").json()  # noqa: E731
+    with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        for turn in range(24):
+            agent.turn((a, b)[turn % 2] + path)
+        ha, hb = health(a), health(b)
+        views = [httpx.get(f"{g}/v1/sessions/{sid}").json() for g in (a, b)]
+        with make_gateway(engines=(engine,)) as c:  # not sharing: it rebuilds what it does not hold
+            rebuilt = httpx.get(f"{c}/v1/sessions/{sid}").json()
+    assert (hb["sessions_restored"], ha["sessions_refreshed"], hb["sessions_refreshed"]) == (1, 11, 11)
+    # B's restore reads turn 0; then each catch-up reads the other's turn and its own one before it
+    assert ha["session_records_read"] + hb["session_records_read"] <= 2 * 24, (ha, hb)
+    assert ha["turn_collisions"] == hb["turn_collisions"] == 0
+    for view in views:
+        assert (view["turns"], view["completions"]) == (rebuilt["turns"], rebuilt["completions"]) == (24, 24)
+    agent.check(kafka_bootstrap, sid)
+
+
+def test_a_held_session_catching_up_learns_the_tool_calls_issued_and_answered_elsewhere(
+        kafka_bootstrap, make_gateway, scripted_url, run_id, sharing):
+    """A's completion issues a call that B's next turn answers, and B's completion after it issues another. A,
+    holding the session, catches up before its next turn: the first call is answered (no span inferred for it
+    twice), the second pending, so A infers its span from the tool result it is sent."""
+    with make_gateway(engines=(scripted_url,), **sharing) as a, make_gateway(engines=(scripted_url,), **sharing) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        for url in (a, b, b, a):
+            body = _chat(url + path, messages, tools=TOOLS)
+            message = body["choices"][0]["message"]
+            messages.append(message)
+            if message.get("tool_calls"):
+                messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "21C"})
+            else:
+                messages.append({"role": "user", "content": "And tomorrow?"})
+        view = httpx.get(f"{a}/v1/sessions/{sid}").json()
+        refreshed = httpx.get(f"{a}/health").json()["sessions_refreshed"]
+    assert (view["turns"], view["completions"], view["pending_tool_calls"], refreshed) == (4, 4, [], 1)
+    issued = [orjson.loads(r["tool_calls_json"])[0]["id"]
+              for r in sorted(read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid),
+                              key=lambda r: r["turn"]) if r["tool_calls_json"]]
+    spans = read_events(kafka_bootstrap, TOPICS.tool_spans, lambda r: r["session_id"] == sid)
+    assert len(issued) == 2 and sorted(s["tool_call_id"] for s in spans) == sorted(issued)
+
+
 def test_a_session_moves_to_another_replica_with_its_token_and_pending_tool_calls(
         kafka_bootstrap, make_gateway, scripted_url, run_id):
     """With auth: the session token issued by A works on B (also alone, naming no session), B infers the span of a
