@@ -20,6 +20,9 @@ import pytest
 from openai import OpenAI
 
 from forge_stream.gateway.ledger import WorkerLedger
+from forge_stream.gateway.restore import fold, fold_more
+from forge_stream.gateway.sessions import Session
+from forge_stream.gateway.spans import SessionKeys
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
@@ -146,6 +149,47 @@ def test_a_held_session_catches_up_on_what_was_recorded_since_not_from_its_start
     for view in views:
         assert (view["turns"], view["completions"]) == (rebuilt["turns"], rebuilt["completions"]) == (24, 24)
     agent.check(kafka_bootstrap, sid)
+
+
+def _folds_agree(bootstrap: str, sid: str) -> None:
+    """For every split of the session's records between two requests: folding the later ones (`fold_more`, all its
+    spans with them) into the state folded from the earlier ones gives the state folded from all at once."""
+    completions = read_events(bootstrap, TOPICS.completions, lambda r: r["session_id"] == sid)  # in offset order
+    spans = read_events(bootstrap, TOPICS.tool_spans, lambda r: r["session_id"] == sid)
+    keys = SessionKeys(sid, completions[0]["group_id"], completions[0]["task_id"])
+
+    def folded(*parts):
+        session = Session(keys, "", {})
+        fold(session, *parts[0], True)
+        for part in parts[1:]:
+            fold_more(session, *part, True)
+        return (session.turns, session.completions, session.requests, session.lanes, session.pending,
+                session.span_ids, session.explicit)
+
+    whole = folded((completions, spans))
+    splits = [k for k in range(len(completions) + 1)
+              if k in (0, len(completions)) or completions[k - 1]["request_id"] != completions[k]["request_id"]]
+    for k in splits:
+        assert folded((completions[:k], []), (completions[k:], spans)) == whole, k
+        assert folded((completions[:k], spans), (completions[k:], spans)) == whole, k
+
+
+def test_folding_on_from_any_turn_gives_what_a_rebuild_from_the_start_gives(
+        kafka_bootstrap, make_gateway, engine, scripted_url, run_id):
+    """The conversation of the prompt-reference tests (appends, n = 3, a sub-agent, a rewritten history) and one of
+    tool calls answered by tool results: `_folds_agree` on each."""
+    with make_gateway(engines=(engine,)) as gateway, make_gateway(engines=(scripted_url,)) as tooled:
+        talk = open_session(gateway, run_id)
+        conversation(gateway + talk["path"])
+        tools = open_session(tooled, run_id)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        for _ in range(5):
+            message = _chat(tooled + tools["path"], messages, tools=TOOLS)["choices"][0]["message"]
+            messages.append(message)
+            messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "21C"}
+                            if message.get("tool_calls") else {"role": "user", "content": "And tomorrow?"})
+    _folds_agree(kafka_bootstrap, talk["session_id"])
+    _folds_agree(kafka_bootstrap, tools["session_id"])
 
 
 def test_a_held_session_catching_up_learns_the_tool_calls_issued_and_answered_elsewhere(
