@@ -8,7 +8,9 @@ own process (`forge-stream gateway serve`); the load comes from a minimal keep-a
 connection per concurrent caller) so the client's cost stays small. Phases alternate direct and gateway runs at
 each concurrency. `recorded_per_s` is the gateway throughput at the highest concurrency; every gateway answer
 means an acknowledged Completion event, and the completions topic's end offsets are checked to have grown by
-exactly the number of gateway answers.
+exactly the number of gateway answers. With `floor`, a pass-through proxy on the same servers and client
+(forge_stream.bench.passthrough) is measured too, recording nothing and then writing each answer to a scratch topic
+before answering: what the gateway costs beyond those is its own work (sessions, events, prompt references).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import orjson
 
 from forge_stream.gateway.scripted import encode, render
 from forge_stream.bench import bench_kafka
-from forge_stream.kafka.admin import end_offsets
+from forge_stream.kafka.admin import end_offsets, scratch_topic
 from forge_stream.kafka.broker import free_port
 from forge_stream.proc import running
 from forge_stream.topics import TOPICS
@@ -112,10 +114,13 @@ def _machine_cpu_seconds() -> float:
 
 
 def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
-        bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False
-        ) -> dict:
+        bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False,
+        floor: bool = False) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
-    runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions)."""
+    runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions).
+    `floor` also measures, at the highest concurrency, a pass-through proxy with as many workers
+    (forge_stream.bench.passthrough): the same servers and client with nothing recorded, then with the engine's
+    answer written to a scratch topic and acknowledged before answering (`floor` in the result)."""
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -138,6 +143,15 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
             url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         callers = max(concurrency)
+        if floor:
+            topic = stack.enter_context(scratch_topic(kafka, f"forge-bench.pass-through-{os.getpid()}",
+                                                      TOPICS.completions.partitions))
+            floor_port = free_port()
+            passthrough = stack.enter_context(running(
+                [sys.executable, "-m", "forge_stream.bench.passthrough", "--port", str(floor_port), "--engine",
+                 f"http://127.0.0.1:{engine_port}", "--bootstrap", kafka, "--topic", topic, "--linger-ms",
+                 str(linger_ms), "--workers", str(workers)],
+                url=f"http://127.0.0.1:{floor_port}/health", log=work / "passthrough.log", stop_timeout=10))
         sessions = [httpx.post(f"{gateway_url}/v1/sessions", json={"group_id": f"bench-{i % 8}",
                                                                    "task_id": "bench"}).json()["session_id"]
                     for i in range(callers)]
@@ -163,6 +177,15 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
                 through = await _measured(_phase(gateway_port, gateway_reqs[:c], total), pids)
                 through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
                 out[c] = (direct, through)
+            if floor:
+                floor_pids = {**pids, "pass_through": passthrough.pid}
+                del floor_pids["gateway"]
+                for name, path in (("pass_through", "/v1/chat/completions"),
+                                   ("pass_through_acked", "/acked/v1/chat/completions")):
+                    request = _request(path, orjson.dumps(body))
+                    warmed = await _phase(floor_port, [request] * callers, 500)
+                    out[name] = await _measured(_phase(floor_port, [request] * callers, requests), floor_pids)
+                    out[name]["answered_with_warm_up"] = warmed["requests"] + out[name]["requests"]
             return out
 
         loop = loop_factory()
@@ -171,8 +194,14 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
         finally:
             loop.close()
         after = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
+        if floor:  # every acknowledged answer of the pass-through wrote one record, and only those did
+            acked = phases["pass_through_acked"]
+            acked["records_checked"] = (sum(end_offsets(kafka, topic, TOPICS.completions.partitions).values())
+                                        == acked.pop("answered_with_warm_up"))
+            phases["pass_through"].pop("answered_with_warm_up")
 
     warm = phases.pop("warm-up")
+    floors = {name: phases.pop(name) for name in ("pass_through", "pass_through_acked") if name in phases}
     answered = warm["requests"] - warm["errors"] + sum(t["requests"] - t["errors"] for _, t in phases.values())
     top_direct, top_gateway = phases[max(concurrency)]
     result = {
@@ -199,4 +228,7 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
             "direct": direct, "gateway": through,
             "p50_overhead_ms": through["p50_ms"] - direct["p50_ms"],
             "p99_overhead_ms": through["p99_ms"] - direct["p99_ms"]}
+    if floors:  # what the same servers and client reach recording nothing, then writing the answer to Kafka
+        result["floor"] = {name: {**phase, "to_engine": round(phase["per_s"] / top_direct["per_s"], 3)}
+                           for name, phase in floors.items()}
     return result

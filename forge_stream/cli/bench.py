@@ -76,13 +76,16 @@ def gateway(
     linger_ms: float = typer.Option(2.0, help="The gateway's producer linger (gateway serve --linger-ms)."),
     shared_sessions: bool = typer.Option(False, help="Run the gateway with --shared-sessions (follow Kafka, as "
                                                      "replicas on several hosts do)."),
+    floor: bool = typer.Option(False, help="Also measure a pass-through proxy on the same servers and client "
+                                           "(recording nothing, then acknowledging a Kafka write per call): the "
+                                           "floor under the gateway's cost."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Gateway overhead vs straight to a scripted engine (p50/p99 at concurrency 1 and 64), recorded/s."""
     from forge_stream.bench.gateway import run
 
     emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers,
-             linger_ms=linger_ms, shared_sessions=shared_sessions), as_json)
+             linger_ms=linger_ms, shared_sessions=shared_sessions, floor=floor), as_json)
 
 
 @app.command("long-horizon")

@@ -11,6 +11,8 @@ lag of every consumer group.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic,
@@ -51,6 +53,20 @@ def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: fl
                     raise
                 result[name] = "exists"
     return result
+
+
+@contextmanager
+def scratch_topic(bootstrap: str, name: str, partitions: int, timeout: float = 30.0) -> Iterator[str]:
+    """A topic outside the catalog for the duration of a block (a benchmark's), deleted after it; yields its name."""
+    admin = admin_client(bootstrap)
+    for future in admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=-1)],
+                                      request_timeout=timeout).values():
+        future.result()
+    try:
+        yield name
+    finally:
+        for future in admin.delete_topics([name], request_timeout=timeout).values():
+            future.result()
 
 
 def cluster_replication_factor(bootstrap: str, timeout: float = 30.0) -> int:

@@ -89,11 +89,21 @@ class EventProducer:
 
     def send(self, topic: Topic, key: str, record: dict, schema: str | None = None) -> asyncio.Future:
         """Enqueue and return a future (of the running loop) resolved with the offset once acked."""
+        future, on_delivery = self._awaited()
+        self.produce(topic, key, record, schema, on_delivery=on_delivery)
+        return future
+
+    def send_raw(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future:
+        """`send` for bytes already encoded (or not an event: `bench gateway --floor` writes to a scratch topic)."""
+        future, on_delivery = self._awaited()
+        self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+        return future
+
+    def _awaited(self) -> tuple[asyncio.Future, object]:
+        """A future of the running loop, and the delivery callback that hands its acknowledgement over."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.produce(topic, key, record, schema,
-                     on_delivery=lambda err, msg: self._acked.append((loop, future, err, msg)))
-        return future
+        return future, lambda err, msg: self._acked.append((loop, future, err, msg))
 
     def send_sync(self, topic: Topic, key: str, record: dict, schema: str | None = None,
                   timeout: float = 30.0) -> int:

@@ -23,3 +23,18 @@ def test_the_gateway_bench_records_every_call_and_accounts_each_process(kafka_bo
     assert through["machine"] > 0 and out["cpu_ms_per_request"]["direct"]["gateway"] < through["gateway"] / 4
     assert 0 < out["gateway_to_engine"] and out["workers"] == workers
     assert out["sessions_shared_by"] == ("ledger" if workers == 2 else None)
+
+
+def test_the_gateway_bench_floor_measures_a_pass_through_with_and_without_kafka(kafka_bootstrap):
+    """`--floor`: the pass-through proxy answers every call, its acknowledged phase writes one record per call to a
+    scratch topic (the plain one none), and the topic is gone after the run."""
+    from forge_stream.kafka.admin import admin_client
+
+    out = run(requests=300, concurrency=(8,), bootstrap=kafka_bootstrap, workers=2, floor=True)
+    plain, acked = out["floor"]["pass_through"], out["floor"]["pass_through_acked"]
+    for phase in (plain, acked):
+        assert phase["errors"] == 0 and phase["requests"] == 296 and phase["to_engine"] > 0  # 8 callers x 37
+        assert phase["cpu_ms_per_request"]["pass_through"] > 0 and "gateway" not in phase["cpu_ms_per_request"]
+    assert acked["records_checked"] and "records_checked" not in plain
+    topics = admin_client(kafka_bootstrap).list_topics(timeout=10).topics
+    assert not [name for name in topics if name.startswith("forge-bench.pass-through")]
