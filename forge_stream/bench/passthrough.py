@@ -22,6 +22,7 @@ import os
 import aiohttp
 import orjson
 
+from forge_stream.gateway.scripted import reply_json
 from forge_stream.gateway.serving import for_client, hidden_fields, upstream_body
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.producer import EventProducer
@@ -47,7 +48,7 @@ class PassThrough:
         if scope["type"] != "http":
             return
         if scope["method"] != "POST":
-            return await _reply(send, 200, b'{"status":"ok"}')
+            return await reply_json(send, 200, b'{"status":"ok"}')
         body = bytearray()
         while True:
             message = await receive()
@@ -59,19 +60,18 @@ class PassThrough:
                                   headers=_JSON) as response:
             content = await response.read()
         if response.status != 200:
-            return await _reply(send, response.status, content)
+            return await reply_json(send, response.status, content)
         if scope["path"].startswith("/acked/"):
             await self.producer.send_raw(self.topic, next(self._keys), content)
-        await _reply(send, 200, orjson.dumps(for_client(orjson.loads(content), *hidden_fields("chat", request))))
+        await reply_json(send, 200, orjson.dumps(for_client(orjson.loads(content), *hidden_fields("chat", request))))
 
     async def _lifespan(self, receive, send):
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                settings = GatewaySettings(engines=(self.engine,), bootstrap=self.bootstrap or "")
-                self.http = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=settings.engine_connections), auto_decompress=False,
-                    timeout=aiohttp.ClientTimeout(total=settings.engine_timeout_s, connect=5.0))
+                self.http = aiohttp.ClientSession(  # as the gateway's (forge_stream.gateway.app), its defaults
+                    connector=aiohttp.TCPConnector(limit=GatewaySettings.engine_connections), auto_decompress=False,
+                    timeout=aiohttp.ClientTimeout(total=GatewaySettings.engine_timeout_s, connect=5.0))
                 if self.bootstrap:
                     self.producer = EventProducer(self.bootstrap, **{"linger.ms": self.linger_ms})
                 await send({"type": "lifespan.startup.complete"})
@@ -81,12 +81,6 @@ class PassThrough:
                     await asyncio.to_thread(self.producer.close)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-
-async def _reply(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def from_env() -> PassThrough:

@@ -118,6 +118,11 @@ def _is_chat(record: dict) -> bool:
     return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
 
 
+def _digests(messages_json: str) -> tuple[bytes, ...]:
+    """The message_digest of each message of a recorded JSON list, as the gateway took them of the request's."""
+    return tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(messages_json))
+
+
 def fold(session: Session, completions: list[dict], spans: list[dict], prompt_refs: bool) -> list[int]:
     """Set `session`'s counters, lanes, pending tool calls and span ids from its recorded Completions and ToolSpans
     (each in the order recorded); returns the turn numbers that more than one request recorded (collisions)."""
@@ -147,7 +152,7 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
             rebuilt = []
         for record in rebuilt:
             if record["prompt_token_ids"]:
-                digests = tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(record["messages_json"]))
+                digests = _digests(record["messages_json"])
                 session.lanes[(record["agent"], record["choice_index"])] = Lane(
                     record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], digests)
     return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
@@ -200,7 +205,7 @@ def fold_more(session: Session, completions: list[dict], spans: list[dict], prom
 
 def _lane(record: dict, known: dict[str, Lane]) -> Lane:
     """A chat Completion as a lane: its whole prompt ids and message digests, its reference looked up in `known`."""
-    added = tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(record["messages_json"]))
+    added = _digests(record["messages_json"])
     if record["prompt_ref"] is None:
         return Lane(record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], added)
     ref = known.get(record["prompt_ref"])

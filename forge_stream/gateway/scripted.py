@@ -198,7 +198,7 @@ class ScriptedEngine:
         elif path == "/health":
             result = b"{}"
         else:
-            return await _reply(send, 404, b'{"error": {"message": "not found", "type": "not_found_error", '
+            return await reply_json(send, 404, b'{"error": {"message": "not found", "type": "not_found_error", '
                                            b'"param": null, "code": 404}}')
         if isinstance(result, list):
             await send({"type": "http.response.start", "status": 200,
@@ -207,7 +207,7 @@ class ScriptedEngine:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
-        await _reply(send, 200, result)
+        await reply_json(send, 200, result)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -215,7 +215,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _reply(send, status: int, body: bytes) -> None:
+async def reply_json(send, status: int, body: bytes) -> None:
+    """Answer an ASGI request with a JSON `body` (its content-length set)."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -96,7 +96,7 @@ class EventProducer:
     def send_raw(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future:
         """`send` for bytes already encoded (or not an event: `bench gateway --floor` writes to a scratch topic)."""
         future, on_delivery = self._awaited()
-        self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+        self.produce_raw(topic, key, value, on_delivery)
         return future
 
     def _awaited(self) -> tuple[asyncio.Future, object]:
