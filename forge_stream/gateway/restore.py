@@ -216,44 +216,64 @@ def _lane(record: dict, known: dict[str, Lane]) -> Lane:
                 ref.messages[:record["prompt_ref_messages"]] + added)
 
 
+MAX_OWN_OFFSETS = 512  # per session and topic (about 30 KB): what a catch-up skips undecoded
+
+
 class SessionEvents:
     """Blocking reads of one session's events, and its state rebuilt from them."""
 
     def __init__(self, reader: PartitionReader, clock_skew_ms: int):
         self.reader, self.clock_skew_ms = reader, clock_skew_ms
         self.records_read = 0  # the sessions' records decoded, by rebuilds and catch-ups
+        self.records_scanned = 0  # and the records they went through (their partitions' offsets) to find those
 
-    def _records(self, topic: Topic, session: Session, start: int | None) -> tuple[list[dict], int]:
-        """The session's records on `topic` from offset `start` (None: from its start time), and the end read to."""
+    def _records(self, topic: Topic, session: Session, start: int | None,
+                 own: bool = True) -> tuple[list[dict], int]:
+        """The session's records on `topic` from offset `start` (None: from its start time), and the end read to;
+        without those this process wrote since it last read them (`Session.own_offsets`) unless `own`."""
         group = session.keys.group_id
         p = self.reader.partition_of(topic, group)
         end = self.reader.high(topic, p)
         if start is None:
             start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
-        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group, session_id=session.id)]
+        skip = () if own else session.own_offsets.get(topic.name, ())
+        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group, session_id=session.id,
+                                                         skip=skip)]
         self.records_read += len(records)
+        self.records_scanned += max(end - start, 0)
         return records, end
+
+    @staticmethod
+    def _read_to(session: Session, topic: Topic, end: int) -> None:
+        """`session`'s records on `topic` before `end` are folded: forget the offsets of its own ones there."""
+        own = session.own_offsets.get(topic.name)
+        if own:
+            own.difference_update([offset for offset in own if offset < end])
 
     def load(self, session: Session, prompt_refs: bool) -> list[int]:
         """Rebuild `session` (keys and start time set) from its events; returns the collided turn numbers."""
         spans, session.spans_seen = self._records(TOPICS.tool_spans, session, None)
         completions, session.seen = self._records(TOPICS.completions, session, None)
+        self._read_to(session, TOPICS.tool_spans, session.spans_seen)
+        self._read_to(session, TOPICS.completions, session.seen)
         return fold(session, completions, spans, prompt_refs)
 
     def catch_up(self, session: Session, prompt_refs: bool) -> list[int]:
         """Bring a held `session` up to date: fold in what was recorded since it was last built or caught up (read
         from there, not from its start), or rebuild it when that cannot be folded in (`fold_more`) or it was never
         built here; returns the collided turn numbers."""
-        if session.seen is None or session.spans_seen is None:
-            return self.load(session, prompt_refs)
-        spans, spans_end = self._records(TOPICS.tool_spans, session, session.spans_seen)
-        completions, end = self._records(TOPICS.completions, session, session.seen)
+        if (session.seen is None or session.spans_seen is None) and not session.opened_here:
+            return self.load(session, prompt_refs)  # (opened here, it holds what it recorded: read from its start)
+        spans, spans_end = self._records(TOPICS.tool_spans, session, session.spans_seen, own=False)
+        completions, end = self._records(TOPICS.completions, session, session.seen, own=False)
         try:
             fold_more(session, completions, spans, prompt_refs)
         except NotFoldable as exc:
             log.info("session %s: rebuilt from its start (%s)", session.id, exc)
             return self.load(session, prompt_refs)
         session.seen, session.spans_seen = end, spans_end
+        self._read_to(session, TOPICS.tool_spans, spans_end)
+        self._read_to(session, TOPICS.completions, end)
         return []
 
     def chat_completion(self, session: Session, request_id: str) -> dict | None:
@@ -283,6 +303,8 @@ class SessionRestorer:
         self.ledger = (WorkerLedger(settings.worker_ledger, settings.workers)
                        if settings.worker_ledger is not None and self.log is None else None)
         self._loading: dict[str, asyncio.Future] = {}
+        self._reloading: set[str] = set()  # sessions caught up in the background (wrote)
+        self._background: set[asyncio.Future] = set()
         self.restored = 0
         self.refreshed = 0  # held sessions caught up because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
@@ -306,6 +328,9 @@ class SessionRestorer:
                 raise RuntimeError(f"the gateway cannot follow forge.completions and forge.sessions: {exc}") from exc
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.log is not None:
             await asyncio.to_thread(self.log.close)
         if self.ledger is not None:
@@ -335,11 +360,35 @@ class SessionRestorer:
         """`session` was opened here: up to date with the other workers."""
         if self.ledger is not None:
             session.ledger_seen = self.ledger.others(session.id)
+        session.opened_here = True
 
-    def wrote(self, session: Session) -> None:
-        """Kafka acknowledged events of `session` recorded here: the other workers learn it from the ledger."""
+    def wrote(self, session: Session, offsets: dict[str, list[int]] | None = None) -> None:
+        """Kafka acknowledged events of `session` recorded here (at `offsets`: topic name -> offsets in the session's
+        partition of its Completions and ToolSpans): the other workers learn it from the ledger, and this process's next catch-up of the session
+        skips those records (`Session.own_offsets`)."""
         if self.ledger is not None:
             self.ledger.wrote(session.id)
+        if offsets and (self.ledger is not None or self.log is not None):
+            full = False
+            for topic, written in offsets.items():
+                own = session.own_offsets.setdefault(topic, set())
+                if len(own) + len(written) > 4 * MAX_OWN_OFFSETS:  # its catch-ups keep failing (Kafka away): the
+                    own.clear()  # next one decodes the older ones and tells them by request and span id instead
+                own.update(written)
+                full = full or len(own) >= MAX_OWN_OFFSETS
+            if full and session.id not in self._reloading:  # nobody else served it for long: move where its
+                self._reloading.add(session.id)  # catch-ups start, so that one after a move reads little
+                task = asyncio.ensure_future(self._reload_quietly(session))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _reload_quietly(self, session: Session) -> None:
+        try:
+            await self.reload(session)
+        except Exception as exc:  # noqa: BLE001 - a background chore: the next call's catch-up is still right
+            log.warning("session %s: could not catch up in the background (%s)", session.id, exc)
+        finally:
+            self._reloading.discard(session.id)
 
     async def _catch_up(self, session: Session) -> None:
         """Another worker of this host recorded for a held session (or one sharing its ledger bucket): catch it up

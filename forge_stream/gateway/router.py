@@ -222,6 +222,7 @@ async def health(request: Request) -> dict:
             "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
             "turn_collisions": len(service.restorer.collisions),
             "session_records_read": service.restorer.events.records_read,  # by the rebuilds and catch-ups above
+            "session_records_scanned": service.restorer.events.records_scanned,  # and went through to find those
             # how this process learns what other replicas recorded: Kafka (--shared-sessions), the ledger of the
             # host's --workers, or not at all (a session's calls should come here)
             "sessions_shared_by": ("kafka" if service.restorer.log is not None else

@@ -130,8 +130,8 @@ class GatewayService:
     def unavailable(self, message: str) -> GatewayError:
         return GatewayError(503, message, "service_unavailable", retry_after=self.settings.retry_after_s)
 
-    async def publish(self, items: list[tuple[Topic, str, dict, str | None]]) -> None:
-        """Send every event and wait until Kafka acknowledged all of them; 503 if any was not."""
+    async def publish(self, items: list[tuple[Topic, str, dict, str | None]]) -> list[int]:
+        """Send every event and wait until Kafka acknowledged all of them (their offsets); 503 if any was not."""
         futures = []
         error: BaseException | None = None
         for topic, key, record, schema in items:
@@ -156,6 +156,7 @@ class GatewayService:
         error = error or next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             raise self.unavailable(f"Kafka did not acknowledge the events, so nothing was recorded: {error}")
+        return results
 
     # ----- sessions --------------------------------------------------------------------------------------
 
@@ -215,11 +216,11 @@ class GatewayService:
                 replaced.append(call)
         session.take_answered(replaced)
         try:
-            await self.publish([(TOPICS.tool_spans, session.keys.group_id, r, None) for r in records])
+            offsets = await self.publish([(TOPICS.tool_spans, session.keys.group_id, r, None) for r in records])
         except GatewayError:
             session.restore(replaced)
             raise
-        self.restorer.wrote(session)
+        self.restorer.wrote(session, {TOPICS.tool_spans.name: offsets})
         session.explicit.update(s.tool_call_id for s in posted.spans if s.tool_call_id)
         session.span_ids.update(r["span_id"] for r in records)
         return [r["event_id"] for r in records]
@@ -397,13 +398,14 @@ class GatewayService:
             if log is not None:
                 log.recording(ctx.request_id)
             try:
-                await self.publish([(TOPICS.completions, group, r, None) for r in sent]
-                                   + [(TOPICS.tool_spans, group, s, None) for s in spans])
+                offsets = await self.publish([(TOPICS.completions, group, r, None) for r in sent]
+                                             + [(TOPICS.tool_spans, group, s, None) for s in spans])
             except BaseException:
                 if log is not None:
                     log.not_recorded(ctx.request_id)
                 raise
-            self.restorer.wrote(session)
+            self.restorer.wrote(session, {TOPICS.completions.name: offsets[:len(sent)],
+                                          TOPICS.tool_spans.name: offsets[len(sent):]})
             session.turns = turn + 1
             session.requests.add(ctx.request_id)
             if by_ref:

@@ -46,6 +46,10 @@ class Session:
     start_ms: int = 0  # when it started (its SessionStarted's timestamp): where its events begin on Kafka
     seen: int | None = None  # its Completions partition is known up to this offset (None: from start_ms)
     spans_seen: int | None = None  # and its ToolSpans partition up to this one
+    # offsets of the records this process wrote past those (topic name -> offsets), folded already: a catch-up
+    # skips them undecoded (kept only where sessions are shared: SessionRestorer.wrote)
+    own_offsets: dict[str, set[int]] = field(default_factory=dict)
+    opened_here: bool = False  # opened by this process: it holds all it recorded, and is caught up, never rebuilt
     ledger_seen: tuple[int, ...] | None = None  # --workers: the other workers' ledger counters it is up to date with
 
     @property

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -80,22 +80,25 @@ class PartitionReader:
             return offset_at_time(consumer, topic.name, partition, ms, self.timeout_s)
 
     def read(self, topic: Topic, partition: int, start: int, end: int, key: str | None = None,
-             session_id: str | None = None) -> list[tuple[int, int, str, dict]]:
+             session_id: str | None = None, skip: Container[int] = ()) -> list[tuple[int, int, str, dict]]:
         """(offset, timestamp ms, schema, record) of the records in [start, end) (only those keyed `key` and, when
         `session_id` is given, of that session, which are the only ones decoded: a record's session id is read from
-        its leading fields first); undecodable records are skipped (the DLQ is the processors' business)."""
+        its leading fields first, when its bytes hold the id at all), but for the offsets in `skip`; undecodable
+        records are skipped (the DLQ is the processors' business)."""
         out: list[tuple[int, int, str, dict]] = []
         if start >= end:
             return out
         wanted = key.encode() if key is not None else None
+        needle = session_id.encode() if session_id is not None else b""
         with self._consumer() as consumer:
             try:
                 for msg in records_between(consumer, topic.name, partition, start, end, self.timeout_s):
-                    if wanted is not None and msg.key() != wanted:
+                    if wanted is not None and msg.key() != wanted or msg.offset() in skip:
                         continue
                     value = msg.value() or b""
                     try:
-                        if session_id is not None and peek(value, ("session_id",))[1]["session_id"] != session_id:
+                        if session_id is not None and (needle not in value or  # not this session's: no peek
+                                                       peek(value, ("session_id",))[1]["session_id"] != session_id):
                             continue
                         schema, record = decode(value)
                     except DecodeError:

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
+from forge_stream.gateway import restore
 from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.restore import fold, fold_more
 from forge_stream.gateway.sessions import Session
@@ -143,11 +144,37 @@ def test_a_held_session_catches_up_on_what_was_recorded_since_not_from_its_start
         with make_gateway(engines=(engine,)) as c:  # not sharing: it rebuilds what it does not hold
             rebuilt = httpx.get(f"{c}/v1/sessions/{sid}").json()
     assert (hb["sessions_restored"], ha["sessions_refreshed"], hb["sessions_refreshed"]) == (1, 11, 11)
-    # B's restore reads turn 0; then each catch-up reads the other's turn and its own one before it
-    assert ha["session_records_read"] + hb["session_records_read"] <= 2 * 24, (ha, hb)
+    # B's restore decodes turn 0; then each catch-up decodes the other's one turn: its own turn before it, which it
+    # holds, is passed over by its offset
+    assert (ha["session_records_read"], hb["session_records_read"]) == (11, 12), (ha, hb)
     assert ha["turn_collisions"] == hb["turn_collisions"] == 0
     for view in views:
         assert (view["turns"], view["completions"]) == (rebuilt["turns"], rebuilt["completions"]) == (24, 24)
+    agent.check(kafka_bootstrap, sid)
+
+
+def test_a_session_one_replica_served_long_is_caught_up_from_near_its_end(
+        kafka_bootstrap, make_gateway, engine, run_id, sharing, monkeypatch):
+    """A replica that served a session alone for many turns keeps where its catch-ups start close to the end (a
+    catch-up in the background every MAX_OWN_OFFSETS of its own records, 4 here): once another replica serves a
+    turn, its catch-up goes through the few records since, not the session from its start."""
+    monkeypatch.setattr(restore, "MAX_OWN_OFFSETS", 4)
+    agent = CountingAgent()
+    health = lambda url: httpx.get(f"{url}/health").json()  # noqa: E731
+    with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        for _ in range(13):
+            agent.turn(a + path)
+        time.sleep(0.5)  # the background catch-up after turn 12
+        agent.turn(b + path)
+        before = health(a)
+        agent.turn(a + path)
+        after = health(a)
+    assert after["sessions_refreshed"] == before["sessions_refreshed"] + 1
+    assert after["session_records_read"] - before["session_records_read"] == 1  # B's turn
+    # the Completions since turn 12 (turn 12, B's turn 13): not the 14 of the whole session
+    assert after["session_records_scanned"] - before["session_records_scanned"] <= 3, (before, after)
     agent.check(kafka_bootstrap, sid)
 
 
