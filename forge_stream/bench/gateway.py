@@ -6,7 +6,8 @@ logprobs included), so the difference is what the gateway adds: parsing, forward
 the Completion event, and waiting for Kafka's acks=all acknowledgement before answering. The gateway runs as its
 own process (`forge-stream gateway serve`); the load comes from a minimal keep-alive HTTP/1.1 client (one
 connection per concurrent caller) so the client's cost stays small. Phases alternate direct and gateway runs at
-each concurrency. `recorded_per_s` is the gateway throughput at the highest concurrency; every gateway answer
+each concurrency, in several rounds at the highest, whose median round (by ratio) is reported: the machine's other
+jobs slow one phase or another. `recorded_per_s` is the gateway throughput at the highest concurrency; every gateway answer
 means an acknowledged Completion event, and the completions topic's end offsets are checked to have grown by
 exactly the number of gateway answers. With `floor`, a pass-through proxy on the same servers and client
 (forge_stream.bench.passthrough) is measured too, recording nothing and then writing each answer to a scratch topic
@@ -71,6 +72,11 @@ async def _phase(port: int, requests: list[bytes], total: int) -> dict:
             "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
 
 
+def _ratio(direct: dict, through: dict) -> float:
+    """The gateway's rate over the direct engine's, of one round (0 when a gateway call failed)."""
+    return round(through["per_s"] / direct["per_s"], 3) if through["errors"] == 0 else 0.0
+
+
 def _cpu_seconds(pid: int, descendants: bool = True) -> float:
     """CPU seconds of a process and all its descendants (a gateway's --workers are its children), or of the process
     alone. This process alone is read from its own clock: /proc counts 10 ms ticks, more than a short run's client
@@ -115,12 +121,14 @@ def _machine_cpu_seconds() -> float:
 
 def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
         bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False,
-        floor: bool = False) -> dict:
+        floor: bool = False, rounds: int = 3) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
     runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions).
     `floor` also measures, at the highest concurrency, a pass-through proxy with as many workers
     (forge_stream.bench.passthrough): the same servers and client with nothing recorded, then with the engine's
-    answer written to a scratch topic and acknowledged before answering (`floor` in the result)."""
+    answer written to a scratch topic and acknowledged before answering (`floor` in the result). The top
+    concurrency runs `rounds` direct/gateway pairs, one after the other: the ratio reported is the median round's, so
+    one phase slowed by another job on the machine does not make the figure."""
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -173,10 +181,12 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
             out = {"warm-up": warm}
             for c in concurrency:
                 total = requests if c == max(concurrency) else max(requests // 4, 100)
-                direct = await _measured(_phase(engine_port, [direct_req] * c, total), pids)
-                through = await _measured(_phase(gateway_port, gateway_reqs[:c], total), pids)
-                through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
-                out[c] = (direct, through)
+                out[c] = []
+                for _ in range(rounds if c == max(concurrency) else 1):
+                    direct = await _measured(_phase(engine_port, [direct_req] * c, total), pids)
+                    through = await _measured(_phase(gateway_port, gateway_reqs[:c], total), pids)
+                    through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
+                    out[c].append((direct, through))
             if floor:
                 floor_pids = {**pids, "pass_through": passthrough.pid}
                 del floor_pids["gateway"]
@@ -202,15 +212,25 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
 
     warm = phases.pop("warm-up")
     floors = {name: phases.pop(name) for name in ("pass_through", "pass_through_acked") if name in phases}
-    answered = warm["requests"] - warm["errors"] + sum(t["requests"] - t["errors"] for _, t in phases.values())
+    answered = warm["requests"] - warm["errors"] + sum(t["requests"] - t["errors"]
+                                                      for pairs in phases.values() for _, t in pairs)
+    pairs_at_top = phases[max(concurrency)]
+    ratios = [_ratio(direct, through) for direct, through in pairs_at_top]
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    phases = {c: pairs[median] if c == max(concurrency) else pairs[0] for c, pairs in phases.items()}
     top_direct, top_gateway = phases[max(concurrency)]
     result = {
         "p50_overhead_ms": top_gateway["p50_ms"] - top_direct["p50_ms"],
         "p99_overhead_ms": top_gateway["p99_ms"] - top_direct["p99_ms"],
         "recorded_per_s": top_gateway["per_s"] if top_gateway["errors"] == 0 else 0.0,
         "engine_per_s": top_direct["per_s"],
-        "gateway_to_engine": round(top_gateway["per_s"] / top_direct["per_s"], 3) if top_gateway["errors"] == 0
-        else 0.0,
+        "gateway_to_engine": ratios[median],
+        # each round at the top concurrency: its direct phase, then its gateway phase; the figures above and under
+        # "concurrency" are the median round's (by ratio)
+        "rounds": [{"engine_per_s": round(direct["per_s"]), "recorded_per_s": round(through["per_s"]),
+                    "gateway_to_engine": ratio, "gateway_cpu_ms_per_request": through["gateway_cpu_ms_per_request"],
+                    "machine_cpu_ms_per_request": through["cpu_ms_per_request"]["machine"]}
+                   for (direct, through), ratio in zip(pairs_at_top, ratios)],
         "gateway_cpu_ms_per_request": top_gateway["gateway_cpu_ms_per_request"],
         # where the machine's CPU goes per request at the top concurrency, through the gateway and direct
         "cpu_ms_per_request": {"through_gateway": top_gateway["cpu_ms_per_request"],

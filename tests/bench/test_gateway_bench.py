@@ -22,6 +22,11 @@ def test_the_gateway_bench_records_every_call_and_accounts_each_process(kafka_bo
     # direct, the gateway idles: its background threads may cross one or two of /proc's 10 ms ticks in a short phase
     assert through["machine"] > 0 and out["cpu_ms_per_request"]["direct"]["gateway"] < through["gateway"] / 4
     assert 0 < out["gateway_to_engine"] and out["workers"] == workers
+    # three rounds at the top concurrency (every gateway call of each counted above); the median round is reported
+    ratios = [r["gateway_to_engine"] for r in out["rounds"]]
+    assert len(ratios) == 3 and out["gateway_to_engine"] == sorted(ratios)[1]
+    median = out["rounds"][ratios.index(out["gateway_to_engine"])]
+    assert median["recorded_per_s"] == round(out["concurrency"]["8"]["gateway"]["per_s"])
     assert out["sessions_shared_by"] == ("ledger" if workers == 2 else None)
 
 
