@@ -40,31 +40,59 @@ def _request(path: str, body: bytes) -> bytes:
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def _caller(port: int, request: bytes, count: int, latencies: list[int], errors: list[int]) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for _ in range(count):
-            start = time.perf_counter_ns()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            await reader.readexactly(length)
-            latencies.append(time.perf_counter_ns() - start)
-            if head[9:12] != b"200":
-                errors.append(int(head[9:12]))
-    finally:
-        writer.close()
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def _phase(port: int, requests: list[bytes], total: int) -> dict:
+async def _caller(connection: Connection, request: bytes, count: int, latencies: list[int],
+                  errors: list[int]) -> None:
+    reader, writer = connection
+    for _ in range(count):
+        start = time.perf_counter_ns()
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        await reader.readexactly(length)
+        latencies.append(time.perf_counter_ns() - start)
+        if head[9:12] != b"200":
+            errors.append(int(head[9:12]))
+
+
+class _Callers:
+    """The load client's keep-alive connections to one server, caller i's always the i-th (so a session's calls
+    keep to one gateway worker, as an agent's pooled connection does), or new ones for every phase with
+    `reconnect` (then about half the sessions move to another worker at each phase, and are caught up there)."""
+
+    def __init__(self, port: int, reconnect: bool = False):
+        self.port, self.reconnect = port, reconnect
+        self.open: list[Connection] = []
+
+    async def take(self, n: int) -> list[Connection]:
+        if self.reconnect:
+            self.close()
+        for i, (reader, writer) in enumerate(self.open[:n]):
+            if reader.at_eof() or writer.is_closing():  # idle past the server's keep-alive: closed there
+                writer.close()
+                self.open[i] = await asyncio.open_connection("127.0.0.1", self.port)
+        while len(self.open) < n:
+            self.open.append(await asyncio.open_connection("127.0.0.1", self.port))
+        return self.open[:n]
+
+    def close(self) -> None:
+        for _, writer in self.open:
+            writer.close()
+        self.open = []
+
+
+async def _phase(callers: _Callers, requests: list[bytes], total: int) -> dict:
     latencies: list[int] = []
     errors: list[int] = []
     per = max(total // len(requests), 1)
+    connections = await callers.take(len(requests))
     start = time.perf_counter()
-    await asyncio.gather(*(_caller(port, r, per, latencies, errors) for r in requests))
+    await asyncio.gather(*(_caller(c, r, per, latencies, errors) for c, r in zip(connections, requests)))
     elapsed = time.perf_counter() - start
     latencies.sort()
     pick = lambda q: latencies[min(int(q * len(latencies)), len(latencies) - 1)] / 1e6  # noqa: E731
@@ -121,14 +149,15 @@ def _machine_cpu_seconds() -> float:
 
 def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
         bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False,
-        floor: bool = False, rounds: int = 3) -> dict:
+        floor: bool = False, rounds: int = 3, reconnect: bool = False) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
     runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions).
     `floor` also measures, at the highest concurrency, a pass-through proxy with as many workers
     (forge_stream.bench.passthrough): the same servers and client with nothing recorded, then with the engine's
     answer written to a scratch topic and acknowledged before answering (`floor` in the result). The top
     concurrency runs `rounds` direct/gateway pairs, one after the other: the ratio reported is the median round's, so
-    one phase slowed by another job on the machine does not make the figure."""
+    one phase slowed by another job on the machine does not make the figure. Each caller keeps one connection for
+    the whole run (its session stays on one worker), or opens a new one for every phase with `reconnect`."""
     try:
         import uvloop
         loop_factory = uvloop.new_event_loop
@@ -176,26 +205,35 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
         before = sum(end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions).values())
 
         async def measure() -> dict:
-            warm = await _phase(gateway_port, gateway_reqs, 500)  # warm-up (connections, caches, producer)
-            await _phase(engine_port, [direct_req] * callers, 500)
-            out = {"warm-up": warm}
-            for c in concurrency:
-                total = requests if c == max(concurrency) else max(requests // 4, 100)
-                out[c] = []
-                for _ in range(rounds if c == max(concurrency) else 1):
-                    direct = await _measured(_phase(engine_port, [direct_req] * c, total), pids)
-                    through = await _measured(_phase(gateway_port, gateway_reqs[:c], total), pids)
-                    through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
-                    out[c].append((direct, through))
+            to_gateway, to_engine = _Callers(gateway_port, reconnect), _Callers(engine_port, reconnect)
+            try:
+                warm = await _phase(to_gateway, gateway_reqs, 500)  # warm-up (connections, caches, producer)
+                await _phase(to_engine, [direct_req] * callers, 500)
+                out = {"warm-up": warm}
+                for c in concurrency:
+                    total = requests if c == max(concurrency) else max(requests // 4, 100)
+                    out[c] = []
+                    for _ in range(rounds if c == max(concurrency) else 1):
+                        direct = await _measured(_phase(to_engine, [direct_req] * c, total), pids)
+                        through = await _measured(_phase(to_gateway, gateway_reqs[:c], total), pids)
+                        through["gateway_cpu_ms_per_request"] = through["cpu_ms_per_request"]["gateway"]
+                        out[c].append((direct, through))
+            finally:
+                to_gateway.close()
+                to_engine.close()
             if floor:
                 floor_pids = {**pids, "pass_through": passthrough.pid}
                 del floor_pids["gateway"]
-                for name, path in (("pass_through", "/v1/chat/completions"),
-                                   ("pass_through_acked", "/acked/v1/chat/completions")):
-                    request = _request(path, orjson.dumps(body))
-                    warmed = await _phase(floor_port, [request] * callers, 500)
-                    out[name] = await _measured(_phase(floor_port, [request] * callers, requests), floor_pids)
-                    out[name]["answered_with_warm_up"] = warmed["requests"] + out[name]["requests"]
+                to_floor = _Callers(floor_port, reconnect)
+                try:
+                    for name, path in (("pass_through", "/v1/chat/completions"),
+                                       ("pass_through_acked", "/acked/v1/chat/completions")):
+                        request = _request(path, orjson.dumps(body))
+                        warmed = await _phase(to_floor, [request] * callers, 500)
+                        out[name] = await _measured(_phase(to_floor, [request] * callers, requests), floor_pids)
+                        out[name]["answered_with_warm_up"] = warmed["requests"] + out[name]["requests"]
+                finally:
+                    to_floor.close()
             return out
 
         loop = loop_factory()
@@ -236,6 +274,7 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
         "cpu_ms_per_request": {"through_gateway": top_gateway["cpu_ms_per_request"],
                                "direct": top_direct["cpu_ms_per_request"]},
         "workers": workers,
+        "reconnect": reconnect,
         "linger_ms": linger_ms,
         "sessions_shared_by": "kafka" if shared_sessions else "ledger" if workers > 1 else None,
         "recorded_events_checked": after - before == answered,

@@ -81,13 +81,16 @@ def gateway(
                                            "floor under the gateway's cost."),
     rounds: int = typer.Option(3, min=1, help="Direct/gateway pairs at 64 callers; the median round's ratio is "
                                               "reported (each round's in `rounds`)."),
+    reconnect: bool = typer.Option(False, help="Callers open new connections for every phase (with --workers, about "
+                                               "half the sessions then move to another worker each phase)."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Gateway overhead vs straight to a scripted engine (p50/p99 at concurrency 1 and 64), recorded/s."""
     from forge_stream.bench.gateway import run
 
     emit(run(requests=requests, prompt_bytes=prompt_bytes, bootstrap=bootstrap_servers, workers=workers,
-             linger_ms=linger_ms, shared_sessions=shared_sessions, floor=floor, rounds=rounds), as_json)
+             linger_ms=linger_ms, shared_sessions=shared_sessions, floor=floor, rounds=rounds,
+             reconnect=reconnect), as_json)
 
 
 @app.command("long-horizon")

@@ -237,7 +237,7 @@ def main() -> None:
     engine = ScriptedEngine(tuple(args.reply or ScriptedEngine.replies), not args.no_token_ids, args.policy_version,
                             args.tool_call, args.delay_ms / 1000)
     uvicorn.run(engine, host=args.host, port=args.port, log_level="warning", access_log=False,
-                loop="auto", http="auto", lifespan="on")
+                loop="auto", http="auto", lifespan="on", timeout_keep_alive=30)  # the gateway's (bench's callers idle)
 
 
 if __name__ == "__main__":
