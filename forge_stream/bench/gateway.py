@@ -5,10 +5,10 @@ Both sides hit the same scripted engine (a separate process that answers at once
 logprobs included), so the difference is what the gateway adds: parsing, forwarding, building and Avro-encoding
 the Completion event, and waiting for Kafka's acks=all acknowledgement before answering. The gateway runs as its
 own process (`forge-stream gateway serve`); the load comes from a minimal keep-alive HTTP/1.1 client (one
-connection per concurrent caller) so the client's cost stays small. Phases alternate direct and gateway runs at
-each concurrency, in several rounds at the highest, whose median round (by ratio) is reported: the machine's other
-jobs slow one phase or another. `recorded_per_s` is the gateway throughput at the highest concurrency; every gateway answer
-means an acknowledged Completion event, and the completions topic's end offsets are checked to have grown by
+connection per concurrent caller, kept for the whole run) so the client's cost stays small. Phases alternate direct
+and gateway runs at each concurrency, in several rounds at the highest, whose median round (by ratio) is reported:
+the machine's other jobs slow one phase or another. `recorded_per_s` is the gateway throughput at the highest
+concurrency; every gateway answer means an acknowledged Completion event, and the completions topic's end offsets are checked to have grown by
 exactly the number of gateway answers. With `floor`, a pass-through proxy on the same servers and client
 (forge_stream.bench.passthrough) is measured too, recording nothing and then writing each answer to a scratch topic
 before answering: what the gateway costs beyond those is its own work (sessions, events, prompt references).

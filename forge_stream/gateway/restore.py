@@ -363,9 +363,9 @@ class SessionRestorer:
         session.opened_here = True
 
     def wrote(self, session: Session, offsets: dict[str, list[int]] | None = None) -> None:
-        """Kafka acknowledged events of `session` recorded here (at `offsets`: topic name -> offsets in the session's
-        partition of its Completions and ToolSpans): the other workers learn it from the ledger, and this process's next catch-up of the session
-        skips those records (`Session.own_offsets`)."""
+        """Kafka acknowledged events of `session` recorded here (at `offsets`: topic name -> offsets, in the
+        session's partitions of forge.completions and forge.tool_spans): the other workers learn it from the ledger,
+        and this process's next catch-up of the session passes over those records (`Session.own_offsets`)."""
         if self.ledger is not None:
             self.ledger.wrote(session.id)
         if offsets and (self.ledger is not None or self.log is not None):

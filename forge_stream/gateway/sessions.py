@@ -49,7 +49,7 @@ class Session:
     # offsets of the records this process wrote past those (topic name -> offsets), folded already: a catch-up
     # skips them undecoded (kept only where sessions are shared: SessionRestorer.wrote)
     own_offsets: dict[str, set[int]] = field(default_factory=dict)
-    opened_here: bool = False  # opened by this process: it holds all it recorded, and is caught up, never rebuilt
+    opened_here: bool = False  # opened by this process, which holds all it recorded: caught up from its start
     ledger_seen: tuple[int, ...] | None = None  # --workers: the other workers' ledger counters it is up to date with
 
     @property
