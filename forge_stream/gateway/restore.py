@@ -303,8 +303,6 @@ class SessionRestorer:
         self.ledger = (WorkerLedger(settings.worker_ledger, settings.workers)
                        if settings.worker_ledger is not None and self.log is None else None)
         self._loading: dict[str, asyncio.Future] = {}
-        self._reloading: set[str] = set()  # sessions caught up in the background (wrote)
-        self._background: set[asyncio.Future] = set()
         self.restored = 0
         self.refreshed = 0  # held sessions caught up because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
@@ -328,9 +326,6 @@ class SessionRestorer:
                 raise RuntimeError(f"the gateway cannot follow forge.completions and forge.sessions: {exc}") from exc
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
         if self.log is not None:
             await asyncio.to_thread(self.log.close)
         if self.ledger is not None:
@@ -369,26 +364,11 @@ class SessionRestorer:
         if self.ledger is not None:
             self.ledger.wrote(session.id)
         if offsets and (self.ledger is not None or self.log is not None):
-            full = False
             for topic, written in offsets.items():
                 own = session.own_offsets.setdefault(topic, set())
-                if len(own) + len(written) > 4 * MAX_OWN_OFFSETS:  # its catch-ups keep failing (Kafka away): the
-                    own.clear()  # next one decodes the older ones and tells them by request and span id instead
+                if len(own) + len(written) > MAX_OWN_OFFSETS:  # served here alone for long: the next catch-up
+                    own.clear()  # decodes the older ones and tells them by request and span id instead
                 own.update(written)
-                full = full or len(own) >= MAX_OWN_OFFSETS
-            if full and session.id not in self._reloading:  # nobody else served it for long: move where its
-                self._reloading.add(session.id)  # catch-ups start, so that one after a move reads little
-                task = asyncio.ensure_future(self._reload_quietly(session))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-
-    async def _reload_quietly(self, session: Session) -> None:
-        try:
-            await self.reload(session)
-        except Exception as exc:  # noqa: BLE001 - a background chore: the next call's catch-up is still right
-            log.warning("session %s: could not catch up in the background (%s)", session.id, exc)
-        finally:
-            self._reloading.discard(session.id)
 
     async def _catch_up(self, session: Session) -> None:
         """Another worker of this host recorded for a held session (or one sharing its ledger bucket): catch it up
