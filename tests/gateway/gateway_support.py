@@ -57,22 +57,24 @@ def read_recorded(bootstrap: str, registry_url: str, group_id: str) -> dict[str,
                          "enable.auto.commit": False})
     out: dict[str, list[dict]] = {topic.name: [] for topic in GATEWAY_TOPICS}
     try:
-        for topic in GATEWAY_TOPICS:
-            for partition in range(topic.partitions):
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic.name, partition), timeout=10)
-                if high <= low:
+        # every partition's offsets first: once a partition is assigned, the consumer's fetch waits on the broker
+        # (fetch.wait.max.ms, 500 ms) and each watermark query after it queues behind that wait
+        bounds = {(topic.name, partition): consumer.get_watermark_offsets(TopicPartition(topic.name, partition),
+                                                                          timeout=10)
+                  for topic in GATEWAY_TOPICS for partition in range(topic.partitions)}
+        for (name, partition), (low, high) in bounds.items():
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(name, partition, low)])
+            offset = low
+            while offset < high:
+                msg = consumer.poll(10)
+                assert msg is not None, f"{name}[{partition}] stopped at {offset} before {high}"
+                if msg.error():
                     continue
-                consumer.assign([TopicPartition(topic.name, partition, low)])
-                offset = low
-                while offset < high:
-                    msg = consumer.poll(10)
-                    assert msg is not None, f"{topic.name}[{partition}] stopped at {offset} before {high}"
-                    if msg.error():
-                        continue
-                    offset = msg.offset() + 1
-                    if msg.key() == group_id.encode():
-                        out[topic.name].append(deserializer(
-                            msg.value(), SerializationContext(topic.name, MessageField.VALUE)))
+                offset = msg.offset() + 1
+                if msg.key() == group_id.encode():
+                    out[name].append(deserializer(msg.value(), SerializationContext(name, MessageField.VALUE)))
     finally:
         consumer.close()
     return out
