@@ -83,16 +83,17 @@ def topic_bytes(bootstrap: str, key_contains: bytes | None = None, include_inter
                          "enable.auto.commit": False, "log_level": 0})
     out: dict[str, int] = {}
     try:
-        for name, meta in sorted(consumer.list_topics(timeout=10).topics.items()):
-            if name.startswith("__") and not include_internal:
-                continue
-            out[name] = 0
-            for partition in meta.partitions:
-                start, end = low_high(consumer, name, partition)
-                for msg in records_between(consumer, name, partition, start, end, 10):
-                    key = msg.key() or b""
-                    if key_contains is None or key_contains in key:
-                        out[name] += len(key) + len(msg.value() or b"")
+        topics = {name: meta for name, meta in consumer.list_topics(timeout=10).topics.items()
+                  if include_internal or not name.startswith("__")}
+        # every partition's offsets before any is assigned: an assigned partition's fetch waits at the broker
+        # (fetch.wait.max.ms, 500 ms) and an offsets query after it on the connection waits behind it
+        bounds = {(name, p): low_high(consumer, name, p) for name in sorted(topics) for p in topics[name].partitions}
+        for (name, partition), (start, end) in bounds.items():
+            out.setdefault(name, 0)
+            for msg in records_between(consumer, name, partition, start, end, 10):
+                key = msg.key() or b""
+                if key_contains is None or key_contains in key:
+                    out[name] += len(key) + len(msg.value() or b"")
     finally:
         consumer.close()
     return out

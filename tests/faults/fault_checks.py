@@ -51,8 +51,8 @@ def drain(bootstrap: str, topic: Topic) -> list[Record]:
                          "isolation.level": "read_committed", "log_level": 0})
     out = []
     try:
-        for partition in range(topic.partitions):
-            low, high = bounds(consumer, topic.name, partition)
+        # every partition's offsets before any is assigned (an offsets query waits behind an assigned one's fetch)
+        for partition, (low, high) in [(p, bounds(consumer, topic.name, p)) for p in range(topic.partitions)]:
             if low >= high:
                 continue
             consumer.assign([TopicPartition(topic.name, partition, low)])
