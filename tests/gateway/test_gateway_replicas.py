@@ -88,6 +88,10 @@ def sharing(request, tmp_path):
     return {"worker_ledger": WorkerLedger.create(2, str(tmp_path)), "workers": 2}
 
 
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health").json()
+
+
 def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id, sharing):
     """Every request of a conversation (appends, n = 3, a sub-agent, a rewritten history) goes to the other
     replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly."""
@@ -133,13 +137,12 @@ def test_a_held_session_catches_up_on_what_was_recorded_since_not_from_its_start
     turn extends the one before by reference (the lanes are right), and a third replica that rebuilds the session
     from its start sees the same turns and completions."""
     agent = CountingAgent()
-    health = lambda url: httpx.get(f"{url}/health").json()  # noqa: E731
     with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         for turn in range(24):
             agent.turn((a, b)[turn % 2] + path)
-        ha, hb = health(a), health(b)
+        ha, hb = _health(a), _health(b)
         views = [httpx.get(f"{g}/v1/sessions/{sid}").json() for g in (a, b)]
         with make_gateway(engines=(engine,)) as c:  # not sharing: it rebuilds what it does not hold
             rebuilt = httpx.get(f"{c}/v1/sessions/{sid}").json()
@@ -160,16 +163,15 @@ def test_a_session_one_replica_served_long_is_caught_up_whole_past_the_offsets_i
     own turns from before the set was last emptied (told apart by request id), and the session goes on whole."""
     monkeypatch.setattr(restore, "MAX_OWN_OFFSETS", 4)
     agent = CountingAgent()
-    health = lambda url: httpx.get(f"{url}/health").json()  # noqa: E731
     with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         for _ in range(10):
             agent.turn(a + path)
         agent.turn(b + path)
-        before = health(a)
+        before = _health(a)
         agent.turn(a + path)
-        after = health(a)
+        after = _health(a)
         views = [httpx.get(f"{g}/v1/sessions/{sid}").json() for g in (a, b)]
     assert after["sessions_refreshed"] == before["sessions_refreshed"] + 1
     decoded = after["session_records_read"] - before["session_records_read"]
