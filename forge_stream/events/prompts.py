@@ -24,13 +24,19 @@ without this module sees the appended part and the reference.
 
 `resolve_prompt` rebuilds one completion from the completions it may reference; `whole_completions` rebuilds a
 list of them (all of a session's completions, e.g. read from the topic from the session's start).
+
+A lane's memory stays small at any context length. A prompt of `PACKED_FROM` ids or more is kept as the SHA-256 of
+its canonical JSON (orjson's, "[1,2,3", without the closing bracket) and that text's length: a new prompt starts
+with it when its own JSON has the same digest up to that length and an id ends there (a comma or the closing
+bracket follows). A 200K-token prompt's ids held whole as Python ints take about 9 MB; its digest takes a few
+hundred bytes. A lane rebuilt from Kafka extends its reference's digest with the ids appended (`Lane.extended`), so
+a session is rebuilt without rebuilding its prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from hashlib import blake2b
+from collections.abc import Callable, Iterable, Sequence
+from hashlib import blake2b, sha256
 
 import orjson
 
@@ -44,14 +50,80 @@ def message_digest(message_json: bytes) -> bytes:
     return blake2b(message_json, digest_size=16).digest()
 
 
-@dataclass(frozen=True)
-class Lane:
-    """The last recorded completion of one (agent, choice index) lane of a session, as the gateway keeps it."""
+PACKED_FROM = 4096  # prompt ids: a lane whose prompt has this many keeps their digest, not the ids
 
-    completion_id: str
-    prompt: list[int]  # its whole prompt ids (one list shared by the lanes of a request's n choices)
-    completion: list[int]
-    messages: tuple[bytes, ...]  # message_digest of each of its whole prompt's messages
+
+def ids_json(ids: Sequence[int]) -> bytes:
+    """The canonical JSON of prompt ids, whose prefixes a long lane's digest is taken of."""
+    return orjson.dumps(ids if isinstance(ids, list) else list(ids))
+
+
+class Lane:
+    """The last recorded completion of one (agent, choice index) lane of a session, as the gateway keeps it: its
+    prompt's ids whole when short, else their digest (see the module's doc); its completion's ids; the message_digest
+    of each of its whole prompt's messages. `text`, when given, is `ids_json(prompt)` already made."""
+
+    __slots__ = ("completion_id", "prompt_len", "prompt", "completion", "messages", "_text_len", "_state", "_digest")
+    packed_from = PACKED_FROM  # (tests set it lower, to run every lane packed)
+
+    def __init__(self, completion_id: str, prompt: list[int], completion: list[int], messages: tuple[bytes, ...],
+                 text: bytes | None = None):
+        self.completion_id, self.completion, self.messages = completion_id, completion, messages
+        self.prompt_len = len(prompt)
+        if self.prompt_len < Lane.packed_from:
+            self.prompt, self._text_len, self._state, self._digest = prompt, 0, None, b""
+        else:
+            text = ids_json(prompt) if text is None else text
+            self._packed(None, memoryview(text)[:-1])
+
+    def _packed(self, state, more: bytes | memoryview) -> None:
+        self.prompt = None
+        self._state = sha256() if state is None else state.copy()
+        self._state.update(more)
+        self._text_len = (0 if state is None else self._text_len) + len(more)
+        self._digest = self._state.digest()
+
+    def starts(self, ids: list[int], text: Callable[[], bytes], digests: dict[int, bytes]) -> bool:
+        """Whether prompt `ids` starts with this lane's whole prompt. `text()` gives `ids_json(ids)`; `digests`
+        keeps the digests of its prefixes taken so far (lanes of one request's choices share them)."""
+        n = self.prompt_len
+        if n == 0 or len(ids) < n:
+            return False
+        if self.prompt is not None:
+            return ids[:n] == self.prompt
+        whole, cut = text(), self._text_len
+        if len(whole) <= cut or whole[cut] not in b",]":  # an id must end where this prompt's last one does
+            return False
+        if cut not in digests:
+            digests[cut] = sha256(memoryview(whole)[:cut]).digest()
+        return digests[cut] == self._digest
+
+    def extended(self, completion_id: str, ref_tokens: int, appended: list[int], completion: list[int],
+                 messages: tuple[bytes, ...]) -> Lane:
+        """The lane of a completion whose prompt is this lane's first `ref_tokens` ids (its prompt's, then its
+        completion's) followed by `appended`: a recorded reference, rebuilt without the ids whole."""
+        n = self.prompt_len
+        if ref_tokens > n + len(self.completion) or (self.prompt is None and ref_tokens < n):
+            raise ValueError(f"it takes {ref_tokens} ids of a lane of {n} + {len(self.completion)}"
+                             + ("" if self.prompt is not None else " (a long lane: at least its whole prompt)"))
+        if self.prompt is not None:
+            return Lane(completion_id, (self.prompt + self.completion)[:ref_tokens] + appended, completion, messages)
+        more = self.completion[:ref_tokens - n] + appended
+        lane = Lane(completion_id, [], completion, messages)
+        lane.prompt_len, lane._text_len = n + len(more), self._text_len
+        lane._packed(self._state, b"," + ids_json(more)[1:-1] if more else b"")
+        return lane
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Lane):
+            return NotImplemented
+        return ((self.completion_id, self.prompt_len, self.prompt, self._digest, self.completion, self.messages)
+                == (other.completion_id, other.prompt_len, other.prompt, other._digest, other.completion,
+                    other.messages))
+
+    def __repr__(self) -> str:
+        prompt = self.prompt if self.prompt is not None else f"<{self.prompt_len} ids, sha256 {self._digest.hex()[:12]}>"
+        return f"Lane({self.completion_id!r}, {prompt}, {self.completion!r}, {len(self.messages)} messages)"
 
 
 def shared_prefix(a: Sequence, b: Sequence) -> int:
@@ -69,10 +141,11 @@ def shared_prefix(a: Sequence, b: Sequence) -> int:
 
 
 def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane],
-                 digests: Sequence[bytes] | None = None) -> dict:
+                 digests: Sequence[bytes] | None = None, text: bytes | None = None) -> dict:
     """`record` (a chat Completion with its prompt whole; `messages` the JSON of each of its messages, `digests`
-    their message_digest when already at hand) recorded by reference to the lane whose ids it repeats longest, among
-    the lanes whose whole prompt it starts with; the record itself when it extends none.
+    their message_digest when already at hand, `text` the ids_json of its prompt ids when already made) recorded by
+    reference to the lane whose ids it repeats longest, among the lanes whose whole prompt it starts with; the record
+    itself when it extends none.
 
     >>> lane = Lane("c0", [1, 2], [3, 9], (message_digest(b'"a"'),))
     >>> r = by_reference({"prompt_token_ids": [1, 2, 3, 4], "messages_json": '["a","b"]'}, [b'"a"', b'"b"'], [lane])
@@ -82,11 +155,18 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane],
     [1, 5]
     """
     ids = record["prompt_token_ids"]
-    best, shared = None, 0
+    made = [text]
+
+    def ids_text() -> bytes:
+        if made[0] is None:
+            made[0] = ids_json(ids)
+        return made[0]
+
+    best, shared, prefixes = None, 0, {}
     for lane in lanes:
-        n = len(lane.prompt)
-        if n == 0 or len(ids) < n or ids[:n] != lane.prompt:
+        if not lane.starts(ids, ids_text, prefixes):
             continue
+        n = lane.prompt_len
         n += shared_prefix(lane.completion, ids[n:n + len(lane.completion)])
         if n > shared:
             best, shared = lane, n
@@ -152,5 +232,5 @@ def whole_completions(records: Iterable[dict], messages: bool = True) -> list[di
     return [whole(r, *resolve_prompt(r, by_id, cache, messages)) for r in records]
 
 
-__all__ = ["Lane", "MissingReference", "by_reference", "message_digest", "resolve_prompt", "shared_prefix", "whole",
-           "whole_completions"]
+__all__ = ["Lane", "MissingReference", "PACKED_FROM", "by_reference", "ids_json", "message_digest", "resolve_prompt",
+           "shared_prefix", "whole", "whole_completions"]

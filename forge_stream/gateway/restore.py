@@ -143,18 +143,20 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
             if call.tool_call_id not in answered:
                 session.add_pending([call])
     session.lanes = {}
-    if prompt_refs:
-        chat = [r for r in completions if _is_chat(r)]
-        try:
-            rebuilt = whole_completions(chat)
-        except MissingReference as exc:  # its start is before what was read: later prompts are recorded whole
-            log.warning("session %s: lanes not rebuilt (%s)", session.id, exc)
-            rebuilt = []
-        for record in rebuilt:
-            if record["prompt_token_ids"]:
-                digests = _digests(record["messages_json"])
-                session.lanes[(record["agent"], record["choice_index"])] = Lane(
-                    record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], digests)
+    if prompt_refs:  # each lane built from the one it extends: no prompt is rebuilt whole
+        known: dict[str, Lane] = {}
+        for record in completions:
+            if not _is_chat(record):
+                continue
+            key = (record["agent"], record["choice_index"])
+            try:
+                lane = known[record["completion_id"]] = _lane(record, known)
+            except NotFoldable as exc:  # it extends what was not read: the lane's next prompt is recorded whole
+                log.warning("session %s: lane %s not rebuilt (%s)", session.id, key, exc)
+                session.lanes.pop(key, None)
+                continue
+            if lane.prompt_len:
+                session.lanes[key] = lane
     return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
 
 
@@ -196,7 +198,7 @@ def fold_more(session: Session, completions: list[dict], spans: list[dict], prom
         if prompt_refs and _is_chat(record):
             lane = _lane(record, known)
             known[lane.completion_id] = lane
-            if lane.prompt:
+            if lane.prompt_len:
                 session.lanes[(record["agent"], record["choice_index"])] = lane
     session.requests |= new_requests
     for call_id in answered:
@@ -209,11 +211,13 @@ def _lane(record: dict, known: dict[str, Lane]) -> Lane:
     if record["prompt_ref"] is None:
         return Lane(record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], added)
     ref = known.get(record["prompt_ref"])
-    if ref is None or record["prompt_ref_tokens"] > len(ref.prompt) + len(ref.completion):
+    if ref is None:
         raise NotFoldable(f"completion {record['completion_id']} extends {record['prompt_ref']}, not held here")
-    prompt = (ref.prompt + ref.completion)[:record["prompt_ref_tokens"]] + record["prompt_token_ids"]
-    return Lane(record["completion_id"], prompt, record["completion_token_ids"],
-                ref.messages[:record["prompt_ref_messages"]] + added)
+    try:
+        return ref.extended(record["completion_id"], record["prompt_ref_tokens"], record["prompt_token_ids"],
+                            record["completion_token_ids"], ref.messages[:record["prompt_ref_messages"]] + added)
+    except ValueError as exc:  # the reference takes more (or fewer) ids than the lane it names has
+        raise NotFoldable(f"completion {record['completion_id']}: {exc}") from exc
 
 
 MAX_OWN_OFFSETS = 512  # per session and topic (about 30 KB): what a catch-up skips undecoded

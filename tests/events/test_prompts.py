@@ -1,9 +1,15 @@
 """Prompts by reference, without a broker: rebuilding chains, missing references, and what a session saves."""
 
+import random
+import tracemalloc
+
+import orjson
 import pytest
 
 from forge_stream.bench.codec import session_bytes
-from forge_stream.events.prompts import MissingReference, resolve_prompt, whole_completions
+from forge_stream.events.prompts import (
+    PACKED_FROM, Lane, MissingReference, by_reference, message_digest, resolve_prompt, whole_completions,
+)
 
 
 def _comp(cid, prompt, completion, messages, ref=None, ref_tokens=0, ref_messages=0):
@@ -49,3 +55,95 @@ def test_a_50_turn_session_by_reference_is_an_order_of_magnitude_smaller():
     print(figures)
     assert figures["ratio"] > 10
     assert figures["largest_event_by_reference"] < 1024 * 1024 < figures["bytes_whole"]
+
+
+def _long_conversation(rng, turns, first, appended):
+    """A session's chat records with prompts whole (each extends the last one's prompt and completion), recorded as
+    the gateway records them: by reference to the lane held after the turn before. Returns (whole, recorded, lane
+    after each turn)."""
+    ids = [rng.randrange(257, 151_000) for _ in range(first)]
+    messages = [b'{"role":"user","content":"go"}']
+    whole, recorded, lanes = [], [], []
+    for turn in range(turns):
+        completion = [rng.randrange(257, 151_000) for _ in range(20)]
+        record = _comp(f"c{turn}", ids, completion, (b"[" + b",".join(messages) + b"]").decode())
+        digests = tuple(map(message_digest, messages))
+        whole.append(record)
+        recorded.append(by_reference(record, messages, lanes[-1:], digests))
+        lanes.append(Lane(record["completion_id"], ids, completion, digests))
+        ids = ids + completion + [rng.randrange(257, 151_000) for _ in range(appended)]
+        messages = messages + [b'{"role":"assistant","content":"x"}', b'{"role":"tool","content":"%d"}' % turn]
+    return whole, recorded, lanes
+
+
+def test_long_prompts_are_referenced_through_a_digest_and_rebuilt_exactly():
+    whole, recorded, lanes = _long_conversation(random.Random(1), turns=5, first=PACKED_FROM + 10, appended=300)
+    assert all(lane.prompt is None and lane.prompt_len == len(w["prompt_token_ids"]) for lane, w in zip(lanes, whole))
+    assert recorded[0]["prompt_ref"] is None
+    for turn, (before, record) in enumerate(zip(whole, recorded[1:]), start=1):
+        assert record["prompt_ref"] == before["completion_id"]
+        assert record["prompt_ref_tokens"] == len(before["prompt_token_ids"]) + 20
+        assert len(record["prompt_token_ids"]) == 300 and record["prompt_ref_messages"] == 1 + 2 * (turn - 1)
+    rebuilt = whole_completions(recorded)
+    assert [r["prompt_token_ids"] for r in rebuilt] == [w["prompt_token_ids"] for w in whole]
+    assert [r["messages_json"] for r in rebuilt] == [w["messages_json"] for w in whole]
+
+
+def test_a_long_prompt_that_differs_anywhere_is_recorded_whole():
+    rng = random.Random(2)
+    prompt = [rng.randrange(257, 151_000) for _ in range(PACKED_FROM + 50)] + [12]
+    lane = Lane("c0", prompt, [7, 8], ())
+    assert lane.prompt is None
+
+    def recorded(ids):
+        return by_reference(_comp("c1", ids, [1], "[]"), [], [lane])
+
+    assert recorded(prompt + [7, 8, 5])["prompt_ref_tokens"] == len(prompt) + 2
+    assert recorded(prompt + [7, 9])["prompt_ref_tokens"] == len(prompt) + 1
+    assert recorded(prompt)["prompt_ref_tokens"] == len(prompt)
+    changed = list(prompt)
+    changed[len(prompt) // 2] += 1
+    assert recorded(changed + [7, 8])["prompt_ref"] is None
+    assert recorded(prompt[:-1] + [123, 7, 8])["prompt_ref"] is None  # "...,12" is where "...,123" starts
+    assert recorded(prompt[:-1] + [1, 2])["prompt_ref"] is None
+    assert recorded(prompt[:-1])["prompt_ref"] is None
+
+
+def test_a_long_lane_holds_a_digest_not_its_ids():
+    prompt = [random.Random(3).randrange(257, 151_000) for _ in range(200_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        packed = Lane("c0", prompt, [1, 2], ())
+        held_packed = tracemalloc.get_traced_memory()[0] - before
+        Lane.packed_from, kept = len(prompt) + 1, Lane.packed_from
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            listed = Lane("c0", orjson.loads(orjson.dumps(prompt)), [1, 2], ())  # as parsed from the engine's answer
+            held_listed = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            Lane.packed_from = kept
+    finally:
+        tracemalloc.stop()
+    print(f"a lane of a 200K-id prompt holds {held_packed} bytes packed, {held_listed / 1e6:.1f} MB as a list")
+    assert packed.prompt is None and listed.prompt is not None
+    assert held_packed < 4096 < 1_000_000 < held_listed, (held_packed, held_listed)
+
+
+def test_a_lane_extended_by_a_reference_equals_the_lane_of_the_whole_prompt():
+    rng = random.Random(4)
+    short = [rng.randrange(257, 151_000) for _ in range(PACKED_FROM - 5)]
+    first = Lane("c0", short, [1, 2, 3], ("m0",))
+    assert first.prompt is not None
+    appended = [rng.randrange(257, 151_000) for _ in range(40)]
+    crossed = first.extended("c1", len(short) + 2, appended, [4, 5], ("m0", "m1"))  # short -> packed
+    assert crossed.prompt is None and crossed == Lane("c1", short + [1, 2] + appended, [4, 5], ("m0", "m1"))
+    longer = crossed.extended("c2", crossed.prompt_len + 2, [6], [9], ("m0", "m1", "m2"))  # packed -> packed
+    assert longer == Lane("c2", short + [1, 2] + appended + [4, 5, 6], [9], ("m0", "m1", "m2"))
+    assert longer != Lane("c2", short + [1, 2] + appended + [4, 5, 7], [9], ("m0", "m1", "m2"))
+    assert crossed.extended("c3", crossed.prompt_len, [], [], ()).prompt_len == crossed.prompt_len
+    with pytest.raises(ValueError, match=f"takes {len(short) + 4} ids"):
+        first.extended("c4", len(short) + 4, [], [], ())
+    with pytest.raises(ValueError, match="at least its whole prompt"):
+        crossed.extended("c4", crossed.prompt_len - 1, [], [], ())
+    assert first.extended("c5", 3, [8], [], ()) == Lane("c5", short[:3] + [8], [], ())  # a shorter history

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
+from forge_stream.events.prompts import Lane, message_digest, whole_completions
 from forge_stream.gateway import restore
 from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.restore import fold, fold_more
@@ -92,9 +93,15 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health").json()
 
 
-def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id, sharing):
+@pytest.mark.parametrize("packed", [False, True], ids=["lanes", "packed-lanes"])
+def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_gateway, engine, run_id, sharing,
+                                                       packed, monkeypatch):
     """Every request of a conversation (appends, n = 3, a sub-agent, a rewritten history) goes to the other
-    replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly."""
+    replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly.
+    With `packed`, every lane keeps a digest of its prompt (as lanes of 4,096 ids or more do), the ones each replica
+    rebuilds from Kafka included."""
+    if packed:
+        monkeypatch.setattr(Lane, "packed_from", 1)
     with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
@@ -198,6 +205,13 @@ def _folds_agree(bootstrap: str, sid: str) -> None:
                 session.span_ids, session.explicit)
 
     whole = folded((completions, spans))
+    lanes = {}  # the lanes of the whole prompts, rebuilt by the readers' path (resolve_prompt), not by the fold's
+    for record in whole_completions(completions):
+        if record["prompt_token_ids"]:
+            lanes[record["agent"], record["choice_index"]] = Lane(
+                record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"],
+                tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(record["messages_json"])))
+    assert whole[3] == lanes
     splits = [k for k in range(len(completions) + 1)
               if k in (0, len(completions)) or completions[k - 1]["request_id"] != completions[k]["request_id"]]
     for k in splits:
@@ -221,6 +235,12 @@ def test_folding_on_from_any_turn_gives_what_a_rebuild_from_the_start_gives(
                             if message.get("tool_calls") else {"role": "user", "content": "And tomorrow?"})
     _folds_agree(kafka_bootstrap, talk["session_id"])
     _folds_agree(kafka_bootstrap, tools["session_id"])
+    Lane.packed_from, kept = 1, Lane.packed_from  # every lane as long prompts' are: a digest extended by each turn
+    try:
+        _folds_agree(kafka_bootstrap, talk["session_id"])
+        _folds_agree(kafka_bootstrap, tools["session_id"])
+    finally:
+        Lane.packed_from = kept
 
 
 def test_a_held_session_catching_up_learns_the_tool_calls_issued_and_answered_elsewhere(
