@@ -74,14 +74,12 @@ class Lane:
             self.prompt, self._text_len, self._state, self._digest = prompt, 0, None, b""
         else:
             text = ids_json(prompt) if text is None else text
-            self._packed(None, memoryview(text)[:-1])
+            self._pack(sha256(), 0, memoryview(text)[:-1])
 
-    def _packed(self, state, more: bytes | memoryview) -> None:
-        self.prompt = None
-        self._state = sha256() if state is None else state.copy()
-        self._state.update(more)
-        self._text_len = (0 if state is None else self._text_len) + len(more)
-        self._digest = self._state.digest()
+    def _pack(self, state, length: int, more: bytes | memoryview) -> None:
+        """Keep the digest of a prompt's JSON: `state` has taken its first `length` bytes, `more` are the rest."""
+        state.update(more)
+        self.prompt, self._state, self._text_len, self._digest = None, state, length + len(more), state.digest()
 
     def starts(self, ids: list[int], text: Callable[[], bytes], digests: dict[int, bytes]) -> bool:
         """Whether prompt `ids` starts with this lane's whole prompt. `text()` gives `ids_json(ids)`; `digests`
@@ -110,8 +108,8 @@ class Lane:
             return Lane(completion_id, (self.prompt + self.completion)[:ref_tokens] + appended, completion, messages)
         more = self.completion[:ref_tokens - n] + appended
         lane = Lane(completion_id, [], completion, messages)
-        lane.prompt_len, lane._text_len = n + len(more), self._text_len
-        lane._packed(self._state, b"," + ids_json(more)[1:-1] if more else b"")
+        lane.prompt_len = n + len(more)
+        lane._pack(self._state.copy(), self._text_len, b"," + ids_json(more)[1:-1] if more else b"")
         return lane
 
     def __eq__(self, other: object) -> bool:
