@@ -145,9 +145,12 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
     session.lanes = {}
     if prompt_refs:  # each lane built from the one it extends: no prompt is rebuilt whole
         known: dict[str, Lane] = {}
+        request = None
         for record in completions:
             if not _is_chat(record):
                 continue
+            if record["request_id"] != request:  # what a request can extend: the lanes held when it was served
+                request, known = record["request_id"], {lane.completion_id: lane for lane in session.lanes.values()}
             key = (record["agent"], record["choice_index"])
             try:
                 lane = known[record["completion_id"]] = _lane(record, known)

@@ -147,3 +147,25 @@ def test_a_long_session_is_rebuilt_from_its_references_without_its_prompts_whole
           f"{held / 1e6:.2f} MB held")
     assert session.lanes == {("", 0): lane} and lane.prompt is None
     assert peak < 16e6 and held < 1e6
+
+
+def test_a_rebuild_keeps_only_the_lanes_a_later_turn_can_extend():
+    """A 300-turn session of short prompts (ids kept whole), each turn extending the one before: the fold holds the
+    lanes a later request can extend (the session's current ones), not every turn's, so its peak stays near one
+    lane's size."""
+    ids, messages, recorded, lane = list(range(300, 3300)), [{"role": "user", "content": "go"}], [], None
+    for turn in range(300):
+        record, lane = _completion(f"r{turn}", turn, messages, ids, [5, 6], lanes=[lane] if lane else [])
+        assert turn == 0 or record["prompt_ref"] is not None
+        recorded.append(record)
+        ids = ids + [5, 6, 7 + turn]
+        messages = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": str(turn)}]
+    session = SessionStore().new(KEYS, {})
+    tracemalloc.start()
+    try:
+        fold(session, recorded, [], prompt_refs=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert session.lanes == {("", 0): lane} and lane.prompt is not None and lane.prompt_len == 3897
+    assert peak < 2e6, peak  # all 300 lanes of 3,000-3,900 ids: 8 MB of lists
