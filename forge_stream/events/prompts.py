@@ -124,6 +124,22 @@ class Lane:
         return f"Lane({self.completion_id!r}, {prompt}, {self.completion!r}, {len(self.messages)} messages)"
 
 
+class PromptTexts:
+    """The ids_json of the long prompts (those a Lane keeps packed) of one request's choices, made once each (the
+    choices of a request share one prompt list) for their references and their lanes; None for a short prompt."""
+
+    def __init__(self):
+        self._made: dict[int, tuple[list[int], bytes]] = {}
+
+    def get(self, ids: list[int] | None) -> bytes | None:
+        if ids is None or len(ids) < Lane.packed_from:
+            return None
+        made = self._made.get(id(ids))
+        if made is None:
+            made = self._made[id(ids)] = (ids, ids_json(ids))  # the list is kept: its id stays its own
+        return made[1]
+
+
 def shared_prefix(a: Sequence, b: Sequence) -> int:
     """How many leading items `a` and `b` have in common.
 
@@ -230,5 +246,5 @@ def whole_completions(records: Iterable[dict], messages: bool = True) -> list[di
     return [whole(r, *resolve_prompt(r, by_id, cache, messages)) for r in records]
 
 
-__all__ = ["Lane", "MissingReference", "PACKED_FROM", "by_reference", "ids_json", "message_digest", "resolve_prompt",
-           "shared_prefix", "whole", "whole_completions"]
+__all__ = ["Lane", "MissingReference", "PACKED_FROM", "PromptTexts", "by_reference", "ids_json", "message_digest",
+           "resolve_prompt", "shared_prefix", "whole", "whole_completions"]

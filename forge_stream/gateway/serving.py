@@ -38,7 +38,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
-from forge_stream.events.prompts import Lane, by_reference, ids_json, message_digest, shared_prefix
+from forge_stream.events.prompts import Lane, PromptTexts, by_reference, message_digest, shared_prefix
 from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.checks import check_id, check_request
 from forge_stream.gateway.engines import Engine, EnginePool
@@ -113,22 +113,6 @@ def sse_data(event: bytes) -> bytes | None:
         if line.startswith(b"data:"):
             return line[5:].strip()
     return None
-
-
-class _LongPrompts:
-    """The ids_json of the long prompts (those a Lane keeps packed) of one request's choices, made once each (the
-    choices of a request share one prompt list); None for a short prompt."""
-
-    def __init__(self):
-        self._made: dict[int, tuple[list[int], bytes]] = {}
-
-    def get(self, ids: list[int] | None) -> bytes | None:
-        if ids is None or len(ids) < Lane.packed_from:
-            return None
-        made = self._made.get(id(ids))
-        if made is None:
-            made = self._made[id(ids)] = (ids, ids_json(ids))  # the list is kept: its id stays its own
-        return made[1]
 
 
 class GatewayService:
@@ -408,7 +392,7 @@ class GatewayService:
                                          policy_version=version, first_token_ms=first_token_ms, done_ms=done)
                        for c in choices]
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
-            texts = _LongPrompts()  # the ids_json of long prompts, made once for their references and lanes
+            texts = PromptTexts()  # the ids_json of long prompts, made once for their references and lanes
             sent = [by_reference(r, ctx.message_parts, session.lanes.values(), ctx.message_digests,
                                  texts.get(c.prompt_ids)) if by_ref else r
                     for c, r in zip(choices, records)]
