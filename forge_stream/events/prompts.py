@@ -31,11 +31,15 @@ with it when its own JSON has the same digest up to that length and an id ends t
 bracket follows). A 200K-token prompt's ids held whole as Python ints take about 9 MB; its digest takes a few
 hundred bytes. A lane rebuilt from Kafka extends its reference's digest with the ids appended (`Lane.extended`), so
 a session is rebuilt without rebuilding its prompts.
+
+The gateway does not parse a long prompt's ids either: it keeps the engine's JSON text of them (`PromptIds`, when it
+is in that compact form, as vLLM's is), checks a lane's digest against that text, and parses only what follows the
+lane's prompt, the ids recorded by reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b, sha256
 
 import orjson
@@ -58,43 +62,129 @@ def ids_json(ids: Sequence[int]) -> bytes:
     return orjson.dumps(ids if isinstance(ids, list) else list(ids))
 
 
+def _compact(text: bytes) -> bool:
+    """Whether `text` is an array of ids written as `ids_json` writes them (digits and commas between brackets),
+    checked without parsing it. What a JSON encoder cannot have written (`[1,,2]`, `[01]`) passes here and fails
+    where it is parsed: every part of a prompt's text is parsed once, when it is first recorded.
+
+    >>> [_compact(t) for t in (b"[]", b"[0]", b"[1,20,3]", b"[1, 2]", b"[,1]", b"[1,]", b"[1.0]", b"[-1]", b"1")]
+    [True, True, True, False, False, False, False, False, False]
+    """
+    if len(text) < 2 or text[0] != 91 or text[-1] != 93:  # [ ]
+        return False
+    body = text[1:-1]
+    return not body or not (body.translate(None, b"0123456789,") or body[0] == 44 or body[-1] == 44)
+
+
+class PromptIds:
+    """One prompt's token ids, held as a list or as their JSON text as the engine sent them, each made from the
+    other only when it is asked for. At 200K ids, parsing their text takes about 6 ms and the list 7 MB, while
+    finding the lane a prompt extends and the ids it appends needs only the text: the part of it after the lane's
+    prompt is all that gets parsed. `text` must be in `ids_json`'s form (`PromptIds.of_text` checks)."""
+
+    __slots__ = ("_ids", "_text", "_count", "_heads")
+
+    def __init__(self, ids: list[int] | None = None, text: bytes | None = None):
+        self._ids, self._text, self._count, self._heads = ids, text, None, {}
+
+    @staticmethod
+    def of_text(text: bytes) -> PromptIds | None:
+        """The prompt of a JSON array of ids, kept as text; None when it is not in `ids_json`'s form (parse it)."""
+        return PromptIds(text=bytes(text)) if _compact(text) else None
+
+    @staticmethod
+    def of(value: PromptIds | Sequence[int] | None) -> PromptIds | None:
+        if value is None or isinstance(value, PromptIds):
+            return value
+        return PromptIds(ids=value if isinstance(value, list) else list(value))
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = (len(self._ids) if self._ids is not None
+                           else self._text.count(b",") + 1 if len(self._text) > 2 else 0)
+        return self._count
+
+    def counted(self, n: int) -> None:
+        """The prompt has `n` ids (known without counting them: a reference's ids and those appended)."""
+        self._count = n
+
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            self._ids = orjson.loads(self._text)
+        return self._ids
+
+    def text(self) -> bytes:
+        if self._text is None:
+            self._text = ids_json(self._ids)
+        return self._text
+
+    def after(self, n: int, cut: int) -> list[int]:
+        """The ids after the first `n`, whose JSON ends `cut` bytes into `text()` (see `Lane.start_in`)."""
+        if self._ids is not None:
+            return self._ids[n:]
+        return orjson.loads(b"[" + self._text[cut + 1:]) if self._text[cut] == 44 else []
+
+    def head(self, cut: int):
+        """The SHA-256 state of the first `cut` bytes of `text()` (taken once per cut)."""
+        state = self._heads.get(cut)
+        if state is None:
+            state = self._heads[cut] = sha256(memoryview(self.text())[:cut])
+        return state
+
+    def packed(self) -> tuple[object, int]:
+        """The SHA-256 state of `text()` without its closing bracket, and that length: the longest head taken so far
+        extended by the rest, so the text is hashed once (the choices of a request share it)."""
+        whole = len(self.text()) - 1
+        if whole not in self._heads:
+            start = max((cut for cut in self._heads if cut < whole), default=0)
+            state = self._heads[start].copy() if start else sha256()
+            state.update(memoryview(self._text)[start:whole])
+            self._heads[whole] = state
+        return self._heads[whole], whole
+
+
 class Lane:
     """The last recorded completion of one (agent, choice index) lane of a session, as the gateway keeps it: its
     prompt's ids whole when short, else their digest (see the module's doc); its completion's ids; the message_digest
-    of each of its whole prompt's messages. `text`, when given, is `ids_json(prompt)` already made."""
+    of each of its whole prompt's messages. The lane keeps nothing of `prompt` (a PromptIds or a list) but those."""
 
     __slots__ = ("completion_id", "prompt_len", "prompt", "completion", "messages", "_text_len", "_state", "_digest")
     packed_from = PACKED_FROM  # (tests set it lower, to run every lane packed)
 
-    def __init__(self, completion_id: str, prompt: list[int], completion: list[int], messages: tuple[bytes, ...],
-                 text: bytes | None = None):
+    def __init__(self, completion_id: str, prompt: PromptIds | list[int], completion: list[int],
+                 messages: tuple[bytes, ...]):
         self.completion_id, self.completion, self.messages = completion_id, completion, messages
+        prompt = PromptIds.of(prompt)
         self.prompt_len = len(prompt)
         if self.prompt_len < Lane.packed_from:
-            self.prompt, self._text_len, self._state, self._digest = prompt, 0, None, b""
+            self.prompt, self._text_len, self._state, self._digest = prompt.ids(), 0, None, b""
         else:
-            text = ids_json(prompt) if text is None else text
-            self._pack(sha256(), 0, memoryview(text)[:-1])
+            state, length = prompt.packed()
+            self.prompt, self._state, self._text_len, self._digest = None, state, length, state.digest()
 
     def _pack(self, state, length: int, more: bytes | memoryview) -> None:
         """Keep the digest of a prompt's JSON: `state` has taken its first `length` bytes, `more` are the rest."""
         state.update(more)
         self.prompt, self._state, self._text_len, self._digest = None, state, length + len(more), state.digest()
 
-    def starts(self, ids: list[int], text: Callable[[], bytes], digests: dict[int, bytes]) -> bool:
-        """Whether prompt `ids` starts with this lane's whole prompt. `text()` gives `ids_json(ids)`; `digests`
-        keeps the digests of its prefixes taken so far (lanes of one request's choices share them)."""
+    def start_in(self, prompt: PromptIds) -> int | None:
+        """Where this lane's whole prompt ends in `prompt`, when `prompt` starts with it: the length of its ids' JSON
+        without the closing bracket, in `prompt.text()` (-1 when both are lists, compared as lists); None when
+        `prompt` does not start with it. A prompt held as text is compared as text, whatever the lane's length."""
         n = self.prompt_len
-        if n == 0 or len(ids) < n:
-            return False
+        if n == 0:
+            return None
+        if self.prompt is not None and prompt._ids is not None:
+            return -1 if prompt._ids[:n] == self.prompt and len(prompt._ids) >= n else None
+        whole = prompt.text()
         if self.prompt is not None:
-            return ids[:n] == self.prompt
-        whole, cut = text(), self._text_len
-        if len(whole) <= cut or whole[cut] not in b",]":  # an id must end where this prompt's last one does
-            return False
-        if cut not in digests:
-            digests[cut] = sha256(memoryview(whole)[:cut]).digest()
-        return digests[cut] == self._digest
+            mine = ids_json(self.prompt)
+            cut = len(mine) - 1
+            same = whole.startswith(mine[:cut])
+        else:
+            cut = self._text_len
+            same = len(whole) > cut and prompt.head(cut).digest() == self._digest
+        return cut if same and len(whole) > cut and whole[cut] in b",]" else None  # an id ends where ours does
 
     def extended(self, completion_id: str, ref_tokens: int, appended: list[int], completion: list[int],
                  messages: tuple[bytes, ...]) -> Lane:
@@ -124,22 +214,6 @@ class Lane:
         return f"Lane({self.completion_id!r}, {prompt}, {self.completion!r}, {len(self.messages)} messages)"
 
 
-class PromptTexts:
-    """The ids_json of the long prompts (those a Lane keeps packed) of one request's choices, made once each (the
-    choices of a request share one prompt list) for their references and their lanes; None for a short prompt."""
-
-    def __init__(self):
-        self._made: dict[int, tuple[list[int], bytes]] = {}
-
-    def get(self, ids: list[int] | None) -> bytes | None:
-        if ids is None or len(ids) < Lane.packed_from:
-            return None
-        made = self._made.get(id(ids))
-        if made is None:
-            made = self._made[id(ids)] = (ids, ids_json(ids))  # the list is kept: its id stays its own
-        return made[1]
-
-
 def shared_prefix(a: Sequence, b: Sequence) -> int:
     """How many leading items `a` and `b` have in common.
 
@@ -155,11 +229,11 @@ def shared_prefix(a: Sequence, b: Sequence) -> int:
 
 
 def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane],
-                 digests: Sequence[bytes] | None = None, text: bytes | None = None) -> dict:
-    """`record` (a chat Completion with its prompt whole; `messages` the JSON of each of its messages, `digests`
-    their message_digest when already at hand, `text` the ids_json of its prompt ids when already made) recorded by
-    reference to the lane whose ids it repeats longest, among the lanes whose whole prompt it starts with; the record
-    itself when it extends none.
+                 digests: Sequence[bytes] | None = None, prompt: PromptIds | None = None) -> dict:
+    """`record` (a chat Completion; `messages` the JSON of each of its messages, `digests` their message_digest when
+    already at hand) with its prompt (`prompt`, else the record's prompt_token_ids) recorded by reference to the lane
+    whose ids it repeats longest, among the lanes whose whole prompt it starts with; recorded whole when it extends
+    none.
 
     >>> lane = Lane("c0", [1, 2], [3, 9], (message_digest(b'"a"'),))
     >>> r = by_reference({"prompt_token_ids": [1, 2, 3, 4], "messages_json": '["a","b"]'}, [b'"a"', b'"b"'], [lane])
@@ -167,27 +241,24 @@ def by_reference(record: dict, messages: Sequence[bytes], lanes: Iterable[Lane],
     ('c0', 3, [4], 1, '["b"]')
     >>> by_reference({"prompt_token_ids": [1, 5], "messages_json": '["a"]'}, [b'"a"'], [lane])["prompt_token_ids"]
     [1, 5]
+    >>> by_reference({"messages_json": '["a"]'}, [b'"a"'], [lane], None, PromptIds(text=b"[1,2,3,4]"))["prompt_ref"]
+    'c0'
     """
-    ids = record["prompt_token_ids"]
-    made = [text]
-
-    def ids_text() -> bytes:
-        if made[0] is None:
-            made[0] = ids_json(ids)
-        return made[0]
-
-    best, shared, prefixes = None, 0, {}
+    prompt = PromptIds(ids=record["prompt_token_ids"]) if prompt is None else prompt
+    best, shared, rest = None, 0, []
     for lane in lanes:
-        if not lane.starts(ids, ids_text, prefixes):
+        cut = lane.start_in(prompt)
+        if cut is None:
             continue
-        n = lane.prompt_len
-        n += shared_prefix(lane.completion, ids[n:n + len(lane.completion)])
+        after = prompt.after(lane.prompt_len, cut)
+        n = lane.prompt_len + shared_prefix(lane.completion, after[:len(lane.completion)])
         if n > shared:
-            best, shared = lane, n
+            best, shared, rest = lane, n, after[n - lane.prompt_len:]
     if best is None:
-        return record
+        return {**record, "prompt_token_ids": prompt.ids()}
+    prompt.counted(shared + len(rest))
     kept = shared_prefix(best.messages, [message_digest(m) for m in messages] if digests is None else digests)
-    return {**record, "prompt_ref": best.completion_id, "prompt_ref_tokens": shared, "prompt_token_ids": ids[shared:],
+    return {**record, "prompt_ref": best.completion_id, "prompt_ref_tokens": shared, "prompt_token_ids": rest,
             "prompt_ref_messages": kept, "messages_json": (b"[" + b",".join(messages[kept:]) + b"]").decode()}
 
 
@@ -246,5 +317,5 @@ def whole_completions(records: Iterable[dict], messages: bool = True) -> list[di
     return [whole(r, *resolve_prompt(r, by_id, cache, messages)) for r in records]
 
 
-__all__ = ["Lane", "MissingReference", "PACKED_FROM", "PromptTexts", "by_reference", "ids_json", "message_digest",
+__all__ = ["Lane", "MissingReference", "PACKED_FROM", "PromptIds", "by_reference", "ids_json", "message_digest",
            "resolve_prompt", "shared_prefix", "whole", "whole_completions"]

@@ -11,7 +11,9 @@ Each Completion also records how it was sampled: the request's `temperature` and
 report it): "processed" when the logprobs are those of the distribution actually sampled from.
 
 A Completion's prompt is recorded whole here; the service then records a chat prompt that extends an earlier
-completion of its session by reference (forge_stream.events.prompts.by_reference).
+completion of its session by reference (forge_stream.events.prompts.by_reference). An engine's answer is parsed by
+`engine_json`, which keeps each `prompt_token_ids` array as its text (`PromptIds`): a long prompt's ids are parsed
+only as far as they are recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Literal
 import orjson
 
 from forge_stream.events import deterministic_id
+from forge_stream.events.prompts import PromptIds
 
 Kind = Literal["chat", "completion"]
 
@@ -31,7 +34,7 @@ class ChoiceRecord:
     """What the engine returned for one choice, as the gateway records it."""
 
     index: int
-    prompt_ids: list[int] | None = None
+    prompt: PromptIds | None = None
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     text: str = ""
@@ -39,8 +42,11 @@ class ChoiceRecord:
     finish_reason: str | None = None
     prompt_index: int = 0  # completions API: which prompt of a batched request this choice answers
 
+    def __post_init__(self):
+        self.prompt = PromptIds.of(self.prompt)  # (a list of ids is taken too)
+
     def trainability(self) -> tuple[bool, str | None]:
-        if self.prompt_ids is None:
+        if self.prompt is None:
             return False, "engine returned no prompt_token_ids"
         if self.token_ids is None:
             return False, "engine returned no completion token_ids"
@@ -61,14 +67,68 @@ def _completion_logprobs(logprobs: dict | None) -> list[float] | None:
     return None if values is None else [-9999.0 if v is None else v for v in values]
 
 
+_IDS_KEY = b'"prompt_token_ids":['
+
+
+def engine_json(raw: bytes) -> dict:
+    """An engine's answer (or one stream chunk) parsed, with each `prompt_token_ids` array (the response's, or a
+    choice's) held as a PromptIds of its text rather than parsed; an array not in compact form (or a key found
+    elsewhere) makes it parse the answer as it is. The key, with its quotes, cannot be inside a JSON string (whose
+    quotes are escaped), and an array of ids ends at the first `]`.
+
+    >>> data = engine_json(b'{"prompt_token_ids":[1,2],"choices":[{"prompt_token_ids":[3],"text":"]"}]}')
+    >>> data["prompt_token_ids"].ids(), data["choices"][0]["prompt_token_ids"].ids(), data["choices"][0]["text"]
+    ([1, 2], [3], ']')
+    >>> engine_json(b'{"prompt_token_ids":[1, 2]}')["prompt_token_ids"]
+    [1, 2]
+    """
+    at = raw.find(_IDS_KEY)
+    if at < 0:
+        return orjson.loads(raw)
+    pieces, texts, start = [], [], 0
+    while at >= 0:
+        begin = at + len(_IDS_KEY) - 1
+        end = raw.find(b"]", begin) + 1
+        prompt = PromptIds.of_text(raw[begin:end]) if end else None
+        if prompt is None:
+            return orjson.loads(raw)
+        pieces += [raw[start:begin], b"%d" % len(texts)]  # the array's place holds its index in `texts`
+        texts.append(prompt)
+        start = end
+        at = raw.find(_IDS_KEY, start)
+    pieces.append(raw[start:])
+    data = orjson.loads(b"".join(pieces))
+    if not isinstance(data, dict):
+        return orjson.loads(raw)
+    placed = 0
+    for holder in (data, *(c for c in data.get("choices") or () if isinstance(c, dict))):
+        index = holder.get("prompt_token_ids")
+        if type(index) is int and index < len(texts):
+            holder["prompt_token_ids"] = texts[index]
+            placed += 1
+    return data if placed == len(texts) else orjson.loads(raw)
+
+
+def client_json(data: dict) -> bytes:
+    """An answer parsed by `engine_json` (less what the client did not ask for) as JSON again, prompt ids as their
+    text."""
+    return orjson.dumps(data, default=_ids_text)
+
+
+def _ids_text(value):
+    if isinstance(value, PromptIds):
+        return orjson.Fragment(value.text())
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def chat_choices(response: dict) -> list[ChoiceRecord]:
     """Choices of a non-streamed chat response."""
-    prompt = response.get("prompt_token_ids")
+    prompt = PromptIds.of(response.get("prompt_token_ids"))
     out = []
     for choice in response.get("choices") or []:
         message = choice.get("message") or {}
         out.append(ChoiceRecord(
-            index=choice.get("index", len(out)), prompt_ids=prompt, token_ids=choice.get("token_ids"),
+            index=choice.get("index", len(out)), prompt=prompt, token_ids=choice.get("token_ids"),
             logprobs=_chat_logprobs(choice.get("logprobs")), text=message.get("content") or "",
             tool_calls=message.get("tool_calls") or None, finish_reason=choice.get("finish_reason")))
     return out
@@ -80,7 +140,7 @@ def completion_choices(response: dict, n: int) -> list[ChoiceRecord]:
     for choice in response.get("choices") or []:
         index = choice.get("index", len(out))
         out.append(ChoiceRecord(
-            index=index, prompt_ids=choice.get("prompt_token_ids"), token_ids=choice.get("token_ids"),
+            index=index, prompt=PromptIds.of(choice.get("prompt_token_ids")), token_ids=choice.get("token_ids"),
             logprobs=_completion_logprobs(choice.get("logprobs")), text=choice.get("text") or "",
             finish_reason=choice.get("finish_reason"), prompt_index=index // max(n, 1)))
     return out
@@ -112,7 +172,7 @@ class StreamAccumulator:
                 self._text[index] = []
             prompt = choice.get("prompt_token_ids", response_prompt)
             if prompt is not None:
-                record.prompt_ids = prompt
+                record.prompt = self._shared(PromptIds.of(prompt))
             ids = choice.get("token_ids")
             if ids:
                 record.token_ids = (record.token_ids or []) + ids
@@ -130,6 +190,14 @@ class StreamAccumulator:
                 self._merge_call(index, delta)
             if choice.get("finish_reason") is not None:
                 record.finish_reason = choice["finish_reason"]
+
+    def _shared(self, prompt: PromptIds) -> PromptIds:
+        """`prompt`, or the same prompt another choice already holds (a chat stream sends it with each choice's first
+        chunk): the choices of a request share one, parsed or hashed once."""
+        for other in self.choices.values():
+            if other.prompt is not None and (other.prompt is prompt or other.prompt.text() == prompt.text()):
+                return other.prompt
+        return prompt
 
     def _merge_call(self, index: int, delta: dict) -> None:
         calls = self._calls.setdefault(index, {})
@@ -208,8 +276,10 @@ def prompt_json(ctx: RequestContext, choice: ChoiceRecord) -> str:
 
 
 def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, model: str, engine_id: str,
-                      policy_version: int, first_token_ms: int | None, done_ms: int) -> dict:
-    """The Completion event of one choice."""
+                      policy_version: int, first_token_ms: int | None, done_ms: int,
+                      prompt_ids: bool = True) -> dict:
+    """The Completion event of one choice; with `prompt_ids` False its prompt_token_ids are left empty, for the
+    caller to record (by reference, without parsing a long prompt whole)."""
     trainable, reason = choice.trainability()
     completion_id = deterministic_id("completion", ctx.session_id, ctx.request_id, choice.index)
     return {
@@ -225,7 +295,7 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "model": model,
         "engine_id": engine_id,
         "policy_version": policy_version,
-        "prompt_token_ids": choice.prompt_ids or [],
+        "prompt_token_ids": choice.prompt.ids() if prompt_ids and choice.prompt is not None else [],
         "completion_token_ids": choice.token_ids or [],
         "completion_logprobs": choice.logprobs or [],
         "messages_json": prompt_json(ctx, choice),

@@ -38,7 +38,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 from forge_stream.events import deterministic_id, new_event_id, now_ms
-from forge_stream.events.prompts import Lane, PromptTexts, by_reference, message_digest, shared_prefix
+from forge_stream.events.prompts import Lane, by_reference, message_digest, shared_prefix
 from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.checks import check_id, check_request
 from forge_stream.gateway.engines import Engine, EnginePool
@@ -46,8 +46,8 @@ from forge_stream.gateway.protocol import (
     FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
 )
 from forge_stream.gateway.recording import (
-    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, completion_choices,
-    completion_record, dumps, sampling_setting,
+    ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, client_json,
+    completion_choices, completion_record, dumps, engine_json, sampling_setting,
 )
 from forge_stream.gateway.restore import SessionRestorer
 from forge_stream.gateway.sessions import Session, SessionStore
@@ -348,7 +348,7 @@ class GatewayService:
         if stream:
             return self._relay(session, ctx, response, engine, n, spans, taken, hide, lease)
         done = now_ms()
-        data = orjson.loads(content)
+        data = engine_json(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
         try:
             await self._record(session, ctx, choices, engine, data.get("model") or body.get("model") or "",
@@ -356,7 +356,7 @@ class GatewayService:
         except BaseException:
             session.restore(taken)
             raise
-        return orjson.dumps(for_client(data, *hide)) if any(hide) else content
+        return client_json(for_client(data, *hide)) if any(hide) else content
 
     def _check_event_size(self, session: Session, ctx: RequestContext, body: dict) -> None:
         """413 before the engine runs when the Completion events of this request cannot fit in Kafka whatever
@@ -388,13 +388,13 @@ class GatewayService:
         group = ctx.group_id
         async with session.recording:  # one turn at a time: a failed write gives its turn number back
             turn = session.turns
-            records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
-                                         policy_version=version, first_token_ms=first_token_ms, done_ms=done)
-                       for c in choices]
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
-            texts = PromptTexts()  # the ids_json of long prompts, made once for their references and lanes
-            sent = [by_reference(r, ctx.message_parts, session.lanes.values(), ctx.message_digests,
-                                 texts.get(c.prompt_ids)) if by_ref else r
+            records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
+                                         policy_version=version, first_token_ms=first_token_ms, done_ms=done,
+                                         prompt_ids=not by_ref)
+                       for c in choices]
+            sent = [by_reference(r, ctx.message_parts, session.lanes.values(), ctx.message_digests, c.prompt)
+                    if by_ref and c.prompt is not None else r
                     for c, r in zip(choices, records)]
             log = self.restorer.log  # shared sessions: other replicas' records are told from this one's by request id
             if log is not None:
@@ -411,13 +411,10 @@ class GatewayService:
             session.turns = turn + 1
             session.requests.add(ctx.request_id)
             if by_ref:
-                prompt: list[int] = []
                 for choice, record in zip(choices, records):
-                    if choice.prompt_ids:  # the choices' lanes share one copy of the prompt
-                        prompt = prompt if prompt == choice.prompt_ids else choice.prompt_ids
+                    if choice.prompt:  # the choices of a chat answer share one PromptIds: parsed or hashed once
                         session.lanes[(ctx.agent, choice.index)] = Lane(
-                            record["completion_id"], prompt, choice.token_ids or [], ctx.message_digests,
-                            texts.get(prompt))
+                            record["completion_id"], choice.prompt, choice.token_ids or [], ctx.message_digests)
         session.completions += len(records)
         session.span_ids.update(s["span_id"] for s in spans)
         for choice, record in zip(choices, records):
@@ -454,13 +451,13 @@ class GatewayService:
                         done = True
                         break
                     if data:
-                        chunk = orjson.loads(data)
+                        chunk = engine_json(data)
                         if "error" in chunk:
                             engine_error = True
                         else:
                             acc.feed(chunk, now_ms())
                             if any(hide):
-                                event = b"data: " + orjson.dumps(for_client(chunk, *hide)) + b"\n\n"
+                                event = b"data: " + client_json(for_client(chunk, *hide)) + b"\n\n"
                     yield event
                 if done:
                     break

@@ -1,5 +1,6 @@
 """Prompts by reference, without a broker: rebuilding chains, missing references, and what a session saves."""
 
+import doctest
 import random
 import tracemalloc
 
@@ -7,9 +8,15 @@ import orjson
 import pytest
 
 from forge_stream.bench.codec import session_bytes
+from forge_stream.events import prompts
 from forge_stream.events.prompts import (
-    PACKED_FROM, Lane, MissingReference, by_reference, message_digest, resolve_prompt, whole_completions,
+    PACKED_FROM, Lane, MissingReference, PromptIds, by_reference, ids_json, message_digest, resolve_prompt,
+    whole_completions,
 )
+
+
+def test_doctests_hold():
+    assert doctest.testmod(prompts).failed == 0
 
 
 def _comp(cid, prompt, completion, messages, ref=None, ref_tokens=0, ref_messages=0):
@@ -57,27 +64,29 @@ def test_a_50_turn_session_by_reference_is_an_order_of_magnitude_smaller():
     assert figures["largest_event_by_reference"] < 1024 * 1024 < figures["bytes_whole"]
 
 
-def _long_conversation(rng, turns, first, appended):
+def _long_conversation(rng, turns, first, appended, as_text=False):
     """A session's chat records with prompts whole (each extends the last one's prompt and completion), recorded as
-    the gateway records them: by reference to the lane held after the turn before. Returns (whole, recorded, lane
-    after each turn)."""
+    the gateway records them: by reference to the lane held after the turn before, each prompt given as a list or
+    (`as_text`) as the engine's JSON text of it. Returns (whole, recorded, lane after each turn, prompts given)."""
     ids = [rng.randrange(257, 151_000) for _ in range(first)]
     messages = [b'{"role":"user","content":"go"}']
-    whole, recorded, lanes = [], [], []
+    whole, recorded, lanes, given = [], [], [], []
     for turn in range(turns):
         completion = [rng.randrange(257, 151_000) for _ in range(20)]
         record = _comp(f"c{turn}", ids, completion, (b"[" + b",".join(messages) + b"]").decode())
         digests = tuple(map(message_digest, messages))
+        prompt = PromptIds.of_text(orjson.dumps(ids)) if as_text else PromptIds(ids=ids)
         whole.append(record)
-        recorded.append(by_reference(record, messages, lanes[-1:], digests))
-        lanes.append(Lane(record["completion_id"], ids, completion, digests))
+        given.append(prompt)
+        recorded.append(by_reference({**record, "prompt_token_ids": []}, messages, lanes[-1:], digests, prompt))
+        lanes.append(Lane(record["completion_id"], prompt, completion, digests))
         ids = ids + completion + [rng.randrange(257, 151_000) for _ in range(appended)]
         messages = messages + [b'{"role":"assistant","content":"x"}', b'{"role":"tool","content":"%d"}' % turn]
-    return whole, recorded, lanes
+    return whole, recorded, lanes, given
 
 
 def test_long_prompts_are_referenced_through_a_digest_and_rebuilt_exactly():
-    whole, recorded, lanes = _long_conversation(random.Random(1), turns=5, first=PACKED_FROM + 10, appended=300)
+    whole, recorded, lanes, _ = _long_conversation(random.Random(1), turns=5, first=PACKED_FROM + 10, appended=300)
     assert all(lane.prompt is None and lane.prompt_len == len(w["prompt_token_ids"]) for lane, w in zip(lanes, whole))
     assert recorded[0]["prompt_ref"] is None
     for turn, (before, record) in enumerate(zip(whole, recorded[1:]), start=1):
@@ -89,14 +98,31 @@ def test_long_prompts_are_referenced_through_a_digest_and_rebuilt_exactly():
     assert [r["messages_json"] for r in rebuilt] == [w["messages_json"] for w in whole]
 
 
-def test_a_long_prompt_that_differs_anywhere_is_recorded_whole():
+@pytest.mark.parametrize("first", [PACKED_FROM - 300, PACKED_FROM + 10])
+def test_a_prompt_held_as_the_engines_text_is_recorded_as_its_ids_are_without_being_parsed_whole(first):
+    """The gateway keeps an engine's prompt ids as their JSON text: the records and lanes are those of the ids
+    parsed, and a prompt that extends a lane is parsed only after the lane's prompt (short lanes crossing into
+    long prompts included, from `PACKED_FROM - 300`)."""
+    listed = _long_conversation(random.Random(6), turns=6, first=first, appended=100)
+    text = _long_conversation(random.Random(6), turns=6, first=first, appended=100, as_text=True)
+    assert text[1] == listed[1] and text[2] == listed[2]
+    assert [r["prompt_ref"] is None for r in text[1]] == [True] + [False] * 5
+    unparsed = [turn > 0 and len(prompt) >= PACKED_FROM for turn, prompt in enumerate(text[3])]
+    assert [prompt._ids is None for prompt in text[3]] == unparsed  # short ones are parsed: their lanes keep ids
+    assert unparsed.count(True) == (3 if first < PACKED_FROM else 5)  # 3796 + 120 a turn: turns 3-5 are long
+    assert [len(prompt) for prompt in text[3]] == [len(w["prompt_token_ids"]) for w in text[0]]
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_long_prompt_that_differs_anywhere_is_recorded_whole(as_text):
     rng = random.Random(2)
     prompt = [rng.randrange(257, 151_000) for _ in range(PACKED_FROM + 50)] + [12]
     lane = Lane("c0", prompt, [7, 8], ())
     assert lane.prompt is None
 
     def recorded(ids):
-        return by_reference(_comp("c1", ids, [1], "[]"), [], [lane])
+        given = PromptIds.of_text(ids_json(ids)) if as_text else None
+        return by_reference(_comp("c1", ids, [1], "[]"), [], [lane], None, given)
 
     assert recorded(prompt + [7, 8, 5])["prompt_ref_tokens"] == len(prompt) + 2
     assert recorded(prompt + [7, 9])["prompt_ref_tokens"] == len(prompt) + 1
