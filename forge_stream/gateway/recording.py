@@ -68,27 +68,32 @@ def _completion_logprobs(logprobs: dict | None) -> list[float] | None:
 
 
 _IDS_KEY = b'"prompt_token_ids":['
+TEXT_FROM = 16384  # bytes: a shorter prompt_token_ids array is parsed (below a few thousand ids that costs less)
 
 
-def engine_json(raw: bytes) -> dict:
+def engine_json(raw: bytes, text_from: int | None = None) -> dict:
     """An engine's answer (or one stream chunk) parsed, with each `prompt_token_ids` array (the response's, or a
-    choice's) held as a PromptIds of its text rather than parsed; an array not in compact form (or a key found
-    elsewhere) makes it parse the answer as it is. The key, with its quotes, cannot be inside a JSON string (whose
-    quotes are escaped), and an array of ids ends at the first `]`.
+    choice's) of `text_from` (default `TEXT_FROM`) bytes or more held as a PromptIds of its text rather than parsed; an array not in
+    compact form (or a key found elsewhere) makes it parse the answer as it is. The key, with its quotes, cannot be
+    inside a JSON string (whose quotes are escaped), and an array of ids ends at the first `]`.
 
-    >>> data = engine_json(b'{"prompt_token_ids":[1,2],"choices":[{"prompt_token_ids":[3],"text":"]"}]}')
+    >>> data = engine_json(b'{"prompt_token_ids":[1,2],"choices":[{"prompt_token_ids":[3],"text":"]"}]}', 0)
     >>> data["prompt_token_ids"].ids(), data["choices"][0]["prompt_token_ids"].ids(), data["choices"][0]["text"]
     ([1, 2], [3], ']')
-    >>> engine_json(b'{"prompt_token_ids":[1, 2]}')["prompt_token_ids"]
-    [1, 2]
+    >>> engine_json(b'{"prompt_token_ids":[1, 2]}', 0)["prompt_token_ids"], engine_json(b'{"prompt_token_ids":[1]}')
+    ([1, 2], {'prompt_token_ids': [1]})
     """
-    at = raw.find(_IDS_KEY)
+    text_from = TEXT_FROM if text_from is None else text_from
+    at = raw.find(_IDS_KEY) if len(raw) >= text_from else -1
     if at < 0:
         return orjson.loads(raw)
     pieces, texts, start = [], [], 0
     while at >= 0:
         begin = at + len(_IDS_KEY) - 1
         end = raw.find(b"]", begin) + 1
+        if 0 < end - begin < text_from:  # parsed with the rest
+            at = raw.find(_IDS_KEY, end)
+            continue
         prompt = PromptIds.of_text(raw[begin:end]) if end else None
         if prompt is None:
             return orjson.loads(raw)
@@ -96,6 +101,8 @@ def engine_json(raw: bytes) -> dict:
         texts.append(prompt)
         start = end
         at = raw.find(_IDS_KEY, start)
+    if not texts:
+        return orjson.loads(raw)
     pieces.append(raw[start:])
     data = orjson.loads(b"".join(pieces))
     if not isinstance(data, dict):

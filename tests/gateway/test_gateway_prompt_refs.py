@@ -9,6 +9,7 @@ import pytest
 
 from forge_stream.events import encode
 from forge_stream.events.prompts import Lane
+from forge_stream.gateway import recording
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
@@ -69,9 +70,11 @@ def conversation(*base_urls):
 @pytest.mark.parametrize("packed", [False, True], ids=["lanes", "packed-lanes"])
 def test_prompts_rebuilt_from_the_topic_are_exactly_what_was_sent(kafka_bootstrap, make_gateway, engine, run_id,
                                                                   packed, monkeypatch):
-    """With `packed`, every lane keeps a digest of its prompt, as lanes of 4,096 ids or more do."""
+    """With `packed`, every lane keeps a digest of its prompt, as lanes of 4,096 ids or more do, and every prompt
+    the engine returns is kept as its text (as those of 16 KB or more are)."""
     if packed:
         monkeypatch.setattr(Lane, "packed_from", 1)
+        monkeypatch.setattr(recording, "TEXT_FROM", 0)
     with make_gateway(engines=(engine,)) as gateway:
         session = open_session(gateway, run_id)
         sent = conversation(session["base_url"])

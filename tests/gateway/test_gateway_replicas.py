@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from forge_stream.events.prompts import Lane, message_digest, whole_completions
-from forge_stream.gateway import restore
+from forge_stream.gateway import recording, restore
 from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.restore import fold, fold_more
 from forge_stream.gateway.sessions import Session
@@ -99,9 +99,11 @@ def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_ga
     """Every request of a conversation (appends, n = 3, a sub-agent, a rewritten history) goes to the other
     replica: turn numbers and prompt references are those one gateway records, and the prompts rebuild exactly.
     With `packed`, every lane keeps a digest of its prompt (as lanes of 4,096 ids or more do), the ones each replica
-    rebuilds from Kafka included."""
+    rebuilds from Kafka included, and every prompt the engine returns is kept as its text (as those of 16 KB or more
+    are)."""
     if packed:
         monkeypatch.setattr(Lane, "packed_from", 1)
+        monkeypatch.setattr(recording, "TEXT_FROM", 0)
     with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
         again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
