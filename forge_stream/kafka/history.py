@@ -15,7 +15,7 @@ from confluent_kafka import Consumer
 from forge_stream.events import DecodeError, decode
 from forge_stream.events.prompts import whole_completions
 from forge_stream.kafka.consumer import Event, event_of, low_high, offset_at_time
-from forge_stream.kafka.reader import records_between
+from forge_stream.kafka.reader import partition_records, records_between
 from forge_stream.topics import TOPICS, Topic
 
 
@@ -81,19 +81,14 @@ def topic_bytes(bootstrap: str, key_contains: bytes | None = None, include_inter
     only with `include_internal`. For benchmarks."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-history-reader",
                          "enable.auto.commit": False, "log_level": 0})
-    out: dict[str, int] = {}
     try:
         topics = {name: meta for name, meta in consumer.list_topics(timeout=10).topics.items()
                   if include_internal or not name.startswith("__")}
-        # every partition's offsets before any is assigned: an assigned partition's fetch waits at the broker
-        # (fetch.wait.max.ms, 500 ms) and an offsets query after it on the connection waits behind it
-        bounds = {(name, p): low_high(consumer, name, p) for name in sorted(topics) for p in topics[name].partitions}
-        for (name, partition), (start, end) in bounds.items():
-            out.setdefault(name, 0)
-            for msg in records_between(consumer, name, partition, start, end, 10):
-                key = msg.key() or b""
-                if key_contains is None or key_contains in key:
-                    out[name] += len(key) + len(msg.value() or b"")
+        out = {name: 0 for name in sorted(topics)}
+        for msg in partition_records(consumer, [(name, p) for name in out for p in topics[name].partitions], 10):
+            key = msg.key() or b""
+            if key_contains is None or key_contains in key:
+                out[msg.topic()] += len(key) + len(msg.value() or b"")
     finally:
         consumer.close()
     return out

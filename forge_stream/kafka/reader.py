@@ -12,14 +12,14 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, peek
-from forge_stream.kafka.consumer import Event, event_of, offset_at_time
+from forge_stream.kafka.consumer import Event, event_of, low_high, offset_at_time
 from forge_stream.topics import Topic
 
 
@@ -107,6 +107,18 @@ class PartitionReader:
             finally:
                 consumer.unassign()
         return out
+
+
+def partition_records(consumer: Consumer, partitions: Iterable[tuple[str, int]], timeout_s: float,
+                      bounds: Callable[[Consumer, str, int], tuple[int, int]] = low_high) -> Iterator:
+    """The messages of every one of `partitions` ((topic, partition) pairs, in that order), each read with
+    `consumer` from its low to its high watermark as `bounds` gives them when the read begins. Every partition's
+    watermarks are taken before any is assigned: once one is, the consumer's fetch waits at the broker
+    (fetch.wait.max.ms, 500 ms by default) and a watermark query after it on the connection queues behind it."""
+    spans = [(topic, partition, *bounds(consumer, topic, partition)) for topic, partition in partitions]
+    for topic, partition, low, high in spans:
+        if low < high:
+            yield from records_between(consumer, topic, partition, low, high, timeout_s)
 
 
 def records_between(consumer: Consumer, topic: str, partition: int, start: int, end: int,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from forge_stream.events import DecodeError, decode, encode, new_event_id, now_ms
 from forge_stream.kafka.consumer import low_high
+from forge_stream.kafka.reader import partition_records
 from forge_stream.processors import InvalidEvent, ProcessorSettings, fold
 from forge_stream.topics import TOPICS, Topic
 
@@ -51,25 +52,13 @@ def drain(bootstrap: str, topic: Topic) -> list[Record]:
                          "isolation.level": "read_committed", "log_level": 0})
     out = []
     try:
-        # every partition's offsets before any is assigned (an offsets query waits behind an assigned one's fetch)
-        for partition, (low, high) in [(p, bounds(consumer, topic.name, p)) for p in range(topic.partitions)]:
-            if low >= high:
-                continue
-            consumer.assign([TopicPartition(topic.name, partition, low)])
-            # read_committed stops at the last stable offset; with no open transaction that is the high watermark
-            position = low
-            while position < high:
-                msg = consumer.poll(30)
-                if msg is None:
-                    raise TimeoutError(f"{topic.name}[{partition}] stopped at {position} before {high}")
-                if msg.error():
-                    continue
-                position = msg.offset() + 1
-                try:
-                    schema, event = decode(msg.value() or b"")
-                except DecodeError:
-                    schema, event = None, None
-                out.append(Record(topic.name, partition, msg.offset(), msg.key(), msg.value() or b"", schema, event))
+        # read_committed stops at the last stable offset; with no open transaction that is the high watermark
+        for msg in partition_records(consumer, [(topic.name, p) for p in range(topic.partitions)], 30, bounds):
+            try:
+                schema, event = decode(msg.value() or b"")
+            except DecodeError:
+                schema, event = None, None
+            out.append(Record(topic.name, msg.partition(), msg.offset(), msg.key(), msg.value() or b"", schema, event))
     finally:
         consumer.close()
     return out

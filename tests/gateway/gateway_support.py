@@ -5,11 +5,12 @@ import http.client
 import json
 
 import httpx
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from forge_stream.kafka.reader import partition_records
 from forge_stream.topics import TOPICS
 
 ADMIN = "admin-secret"
@@ -57,24 +58,11 @@ def read_recorded(bootstrap: str, registry_url: str, group_id: str) -> dict[str,
                          "enable.auto.commit": False})
     out: dict[str, list[dict]] = {topic.name: [] for topic in GATEWAY_TOPICS}
     try:
-        # every partition's offsets first: once a partition is assigned, the consumer's fetch waits on the broker
-        # (fetch.wait.max.ms, 500 ms) and each watermark query after it queues behind that wait
-        bounds = {(topic.name, partition): consumer.get_watermark_offsets(TopicPartition(topic.name, partition),
-                                                                          timeout=10)
-                  for topic in GATEWAY_TOPICS for partition in range(topic.partitions)}
-        for (name, partition), (low, high) in bounds.items():
-            if high <= low:
-                continue
-            consumer.assign([TopicPartition(name, partition, low)])
-            offset = low
-            while offset < high:
-                msg = consumer.poll(10)
-                assert msg is not None, f"{name}[{partition}] stopped at {offset} before {high}"
-                if msg.error():
-                    continue
-                offset = msg.offset() + 1
-                if msg.key() == group_id.encode():
-                    out[name].append(deserializer(msg.value(), SerializationContext(name, MessageField.VALUE)))
+        partitions = [(topic.name, partition) for topic in GATEWAY_TOPICS for partition in range(topic.partitions)]
+        for msg in partition_records(consumer, partitions, 10):
+            if msg.key() == group_id.encode():
+                context = SerializationContext(msg.topic(), MessageField.VALUE)
+                out[msg.topic()].append(deserializer(msg.value(), context))
     finally:
         consumer.close()
     return out
