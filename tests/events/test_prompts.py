@@ -156,6 +156,26 @@ def test_a_long_lane_holds_a_digest_not_its_ids():
     assert held_packed < 4096 < 1_000_000 < held_listed, (held_packed, held_listed)
 
 
+def test_a_lane_holds_a_long_completion_packed():
+    """A 32K-token reasoning turn's ids, as the engine's answer gives them (a list of ints), held by its lane until
+    the next turn: 8 bytes an id, not a Python int object and a pointer each (the answer's list is not kept)."""
+    text = orjson.dumps([random.Random(7).randrange(257, 151_000) for _ in range(32_768)])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        completion = orjson.loads(text)
+        listed = tracemalloc.get_traced_memory()[0] - before
+        lane = Lane("c0", [1, 2, 3], completion, ())
+        del completion
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    print(f"a lane of a 32K-token completion holds {held / 1e3:.0f} KB; its ids as a list of ints {listed / 1e6:.2f} MB")
+    assert held < 300_000 < 1_000_000 < listed
+    next_prompt = [1, 2, 3] + orjson.loads(text) + [5]
+    assert by_reference(_comp("c1", next_prompt, [], "[]"), [], [lane])["prompt_ref_tokens"] == 3 + 32_768
+
+
 def test_a_lane_extended_by_a_reference_equals_the_lane_of_the_whole_prompt():
     rng = random.Random(4)
     short = [rng.randrange(257, 151_000) for _ in range(PACKED_FROM - 5)]
