@@ -162,13 +162,11 @@ class Lane:
         if self.prompt_len < Lane.packed_from:
             self.prompt, self._text_len, self._state, self._digest = prompt.ids(), 0, None, b""
         else:
-            state, length = prompt.packed()
-            self.prompt, self._state, self._text_len, self._digest = None, state, length, state.digest()
+            self._pack(*prompt.packed())
 
-    def _pack(self, state, length: int, more: bytes | memoryview) -> None:
-        """Keep the digest of a prompt's JSON: `state` has taken its first `length` bytes, `more` are the rest."""
-        state.update(more)
-        self.prompt, self._state, self._text_len, self._digest = None, state, length + len(more), state.digest()
+    def _pack(self, state, length: int) -> None:
+        """Keep the digest of a prompt's JSON: `state` has taken its `length` bytes, all but the closing bracket."""
+        self.prompt, self._state, self._text_len, self._digest = None, state, length, state.digest()
 
     def start_in(self, prompt: PromptIds) -> int | None:
         """Where this lane's whole prompt ends in `prompt`, when `prompt` starts with it: the length of its ids' JSON
@@ -203,7 +201,9 @@ class Lane:
         more = self.completion[:ref_tokens - n].tolist() + appended
         lane = Lane(completion_id, [], completion, messages)
         lane.prompt_len = n + len(more)
-        lane._pack(self._state.copy(), self._text_len, b"," + ids_json(more)[1:-1] if more else b"")
+        state, tail = self._state.copy(), b"," + ids_json(more)[1:-1] if more else b""
+        state.update(tail)
+        lane._pack(state, self._text_len + len(tail))
         return lane
 
     def __eq__(self, other: object) -> bool:

@@ -147,7 +147,7 @@ def completion_choices(response: dict, n: int) -> list[ChoiceRecord]:
     for choice in response.get("choices") or []:
         index = choice.get("index", len(out))
         out.append(ChoiceRecord(
-            index=index, prompt=PromptIds.of(choice.get("prompt_token_ids")), token_ids=choice.get("token_ids"),
+            index=index, prompt=choice.get("prompt_token_ids"), token_ids=choice.get("token_ids"),
             logprobs=_completion_logprobs(choice.get("logprobs")), text=choice.get("text") or "",
             finish_reason=choice.get("finish_reason"), prompt_index=index // max(n, 1)))
     return out
