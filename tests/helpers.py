@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.proc import running
@@ -23,11 +24,12 @@ TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """Serve an ASGI app on a free port in a thread; yields its base URL."""
+def serving(app, http=CoalescingHttpToolsProtocol) -> Iterator[str]:
+    """Serve an ASGI app on a free port in a thread, with the HTTP protocol `gateway serve` runs (by default);
+    yields its base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
+                                           lifespan="on", http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

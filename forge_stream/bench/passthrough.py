@@ -25,6 +25,7 @@ import orjson
 from forge_stream.gateway.scripted import reply_json
 from forge_stream.gateway.serving import for_client, hidden_fields, upstream_body
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
 from forge_stream.kafka.producer import EventProducer
 
 _ENV = "FORGE_PASSTHROUGH"
@@ -104,7 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ[_ENV] = json.dumps({"engine": args.engine, "bootstrap": args.bootstrap, "topic": args.topic,
                                    "linger_ms": args.linger_ms})
-    options = dict(host=args.host, port=args.port, log_level="warning", access_log=False)
+    options = dict(host=args.host, port=args.port, log_level="warning", access_log=False,
+                   http=CoalescingHttpToolsProtocol)  # the gateway's server
     if args.workers == 1:
         uvicorn.run(from_env(), **options)
         return

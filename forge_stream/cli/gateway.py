@@ -62,6 +62,7 @@ def serve(
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.ledger import WorkerLedger
     from forge_stream.gateway.settings import GatewaySettings
+    from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
     from forge_stream.gateway.workers import bind_port, run_workers
 
     bootstrap = settings(bootstrap_servers).bootstrap
@@ -73,7 +74,8 @@ def serve(
         max_wait_s=max_wait_s, shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
         finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
         engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions, workers=workers)
-    options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s)
+    options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s,
+                   http=CoalescingHttpToolsProtocol)
     if workers == 1:
         app = create_app(gateway)
         _settle_gc()

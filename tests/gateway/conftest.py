@@ -22,7 +22,8 @@ from forge_stream.schema_registry import create_app as create_registry
 def scripted_url() -> Iterator[str]:
     """A scripted engine: answers a tool call to requests with tools (unless answering a tool result), else text."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</tool_call>'
-    with serving(ScriptedEngine(("Hello there, agent.",), policy_version=7, tool_call=call)) as url:
+    engine = ScriptedEngine(("Hello there, agent.",), policy_version=7, tool_call=call)
+    with serving(engine, http="auto") as url:  # uvicorn's own protocol, as vLLM's server runs it
         yield url
 
 
