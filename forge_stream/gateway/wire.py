@@ -1,7 +1,7 @@
 """uvicorn's HTTP/1.1 protocol (httptools), answering each response in one write to the socket.
 
 uvicorn writes a response's status line and headers when the app sends `http.response.start`, and its body when the
-app sends `http.response.body`: two `send` syscalls, so two TCP segments, and a client that reads the first before
+app sends `http.response.body`: two writes to the socket, so two TCP segments, and a client that reads the first before
 the second arrives wakes twice for one answer. An agent's call is answered with one start and one body, sent in the
 same step of the app's task; `CoalescingHttpToolsProtocol` gives each request's cycle a transport that holds what is
 written during one step of the event loop and writes it at the end of that step, in one call. Measured with `bench

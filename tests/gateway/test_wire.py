@@ -1,6 +1,6 @@
 """The gateway's HTTP protocol (forge_stream.gateway.wire) answers a response in one write and loses nothing:
-streamed chunks go out as they are sent, pipelined and keep-alive requests are answered in order, and a response
-on a closing connection is written whole before the close."""
+streamed chunks go out as they are sent, requests pipelined on one kept-alive connection are answered whole and in
+order, and a response on a closing connection is written whole before the close."""
 
 from __future__ import annotations
 
