@@ -14,7 +14,10 @@ Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components
 - timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
   the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
   `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
-  keeps every table write on the group's partition.
+  keeps every table write on the group's partition. A group is closed (and a closed marker forgotten) only once
+  the worker has folded everything its partitions held when it fell due, as the read-marks sweep saw their ends
+  (forge_stream.processors.progress): a worker behind on its inputs reads its backlog first, instead of closing
+  groups whose records are in Kafka but not read yet.
 - A TrainSample whose encoding exceeds `claim_over_bytes` is stored in the claim-check store and published as
   a SampleClaim (forge_stream.events.claims): forge.samples records stay small whatever the group's size.
 - Outputs go to the group's input partition (the producer's partitioner chose it), so the output topics stay
@@ -53,7 +56,8 @@ from forge_stream.events.claims import CLAIM_OVER_BYTES, ClaimStore, claim_recor
 from forge_stream.kafka.consumer import dead_letter, partition_positions
 from forge_stream.kafka.reader import read_range
 from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expire, fold
-from forge_stream.processors.groups import due
+from forge_stream.processors.groups import due, due_ms
+from forge_stream.processors.progress import EndsSeen
 from forge_stream.processors.store import GroupStore, MissingEntry, is_group, mark_key
 from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
 
@@ -196,13 +200,38 @@ def build_app(config: TopologyConfig) -> faust.App:
                     await publish(emits, state["partition"])
                     store.save(group_id, new, snapshot)
 
+    ends_seen = EndsSeen()  # the input partitions' ends as the sweep saw them (forge_stream.processors.progress)
+    unread_from: dict[tuple[str, int], int | None] = {}  # where folding starts on a partition nothing was folded from
+
+    def folded_to(topic: str, partition: int) -> int | None:
+        """The next offset of topic[partition] this worker folds (None before the sweep first looked at it)."""
+        last = groups.get(mark_key(topic, partition))
+        return last + 1 if last is not None else unread_from.get((topic, partition))
+
+    quiet_until = 0  # when the next "waiting for the backlog" line may be logged
+
     @app.timer(config.tick_s, name="timeouts-scan")
     async def scan() -> None:
+        """Ask the timeouts agent to close each group past its deadline (and to forget each closed marker past its
+        time), once this worker folded everything the group's partitions held then: a worker behind on its inputs
+        reads before it closes (forge_stream.processors.progress)."""
+        nonlocal quiet_until
         now = now_ms()
+        waiting: dict[int, int] = {}
         for group_id, state in list(groups.items()):
-            if is_group(group_id) and due(state, now, settings):
-                await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
-                                    partition=state["partition"])
+            if not is_group(group_id) or not due(state, now, settings):
+                continue
+            partition = state["partition"]
+            if not ends_seen.read_past([(t.name, partition) for t in INPUTS], due_ms(state, settings), folded_to):
+                waiting[partition] = waiting.get(partition, 0) + 1
+                continue
+            await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
+                                partition=partition)
+        if waiting and now >= quiet_until:
+            quiet_until = now + 30_000
+            log.info("%d groups are past their timeout on input partitions %s; they are closed once this worker has "
+                     "read what those partitions held at that time (it is behind, or its read-marks sweep has not "
+                     "looked since)", sum(waiting.values()), sorted(waiting))
 
     inputs_names = {t.name for t in INPUTS}
 
@@ -223,8 +252,13 @@ def build_app(config: TopologyConfig) -> faust.App:
         mine = [(tp.topic, tp.partition) for tp in assigned if tp.topic in inputs_names]
         if not mine:
             return
+        asked_at = now_ms()  # before asking: each end seen held at least what the partition had then
         positions = await asyncio.to_thread(partition_positions, config.bootstrap, config.app_id, mine)
-        for (topic, partition), (committed, end) in positions.items():
+        for (topic, partition), (committed, end, low) in positions.items():
+            ends_seen.saw(topic, partition, asked_at, end)
+            unread_from[(topic, partition)] = (committed if committed is not None  # else a new group's start:
+                                               else low if config.offset_reset == "earliest"
+                                               else ends_seen.first(topic, partition))
             last = groups.get(mark_key(topic, partition))
             before, marks_seen[(topic, partition)] = marks_seen.get((topic, partition), -2), last
             if last is None:  # nothing folded from it yet: no mark to go by

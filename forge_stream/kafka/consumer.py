@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -288,15 +288,26 @@ def commit_end_offsets(bootstrap: str, group_id: str, topics: list[Topic]) -> No
         consumer.close()
 
 
+class Position(NamedTuple):
+    """Where a consumer group stands on one partition."""
+
+    committed: int | None  # the group's committed offset (the next to read); None without one
+    end: int  # the partition's end (high watermark)
+    low: int  # its first offset still kept (low watermark)
+
+
 def partition_positions(bootstrap: str, group_id: str, partitions: list[tuple[str, int]]
-                        ) -> dict[tuple[str, int], tuple[int | None, int]]:
-    """Per partition: the consumer group's committed offset (the next to read; None without one) and its end."""
+                        ) -> dict[tuple[str, int], Position]:
+    """Per partition: the consumer group's committed offset, and the partition's end and low watermark."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id, "enable.auto.commit": False,
                          "log_level": 0})
     try:
         tps = consumer.committed([TopicPartition(t, p) for t, p in partitions], timeout=10)
-        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None,
-                                           consumer.get_watermark_offsets(tp, timeout=10)[1]) for tp in tps}
+        positions = {}
+        for tp in tps:
+            low, end = consumer.get_watermark_offsets(tp, timeout=10)
+            positions[(tp.topic, tp.partition)] = Position(tp.offset if tp.offset >= 0 else None, end, low)
+        return positions
     finally:
         consumer.close()
 

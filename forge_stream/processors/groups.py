@@ -136,11 +136,16 @@ def deadline_ms(state: dict, settings: ProcessorSettings) -> int:
     return state["first_ms"] + settings.group_timeout_ms
 
 
+def due_ms(state: dict, settings: ProcessorSettings) -> int:
+    """When `expire` will change the state: an open group's deadline, or when its closed marker is forgotten."""
+    if state["closed"]:
+        return state["closed_ms"] + settings.forget_closed_ms
+    return deadline_ms(state, settings)
+
+
 def due(state: dict, now_ms: int, settings: ProcessorSettings) -> bool:
     """Whether `expire` would change the state: an open group past its deadline, or a marker to forget."""
-    if state["closed"]:
-        return now_ms >= state["closed_ms"] + settings.forget_closed_ms
-    return now_ms >= deadline_ms(state, settings)
+    return now_ms >= due_ms(state, settings)
 
 
 def closed_marker(state: dict, closed_ms: int) -> dict:

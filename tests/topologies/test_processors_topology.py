@@ -170,6 +170,38 @@ def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     assert all(d["rejected_by"] == "processors.groups" and d["topic"] == TOPICS.completions.name for d in dead)
 
 
+def test_a_worker_behind_reads_its_backlog_before_it_times_groups_out(kafka_bootstrap, run_id, tmp_path):
+    """Groups recorded long ago, read by a new worker (an outage longer than the group timeout, or a new app id on
+    topics that hold records): their deadlines passed before the worker read a record of them. It still folds each
+    group whole before timing anything out: every complete group yields its complete sample and nothing is
+    skipped; the one group with an unfinished session closes on its timeout with the two sessions that finished."""
+    settings = ProcessorSettings(group_timeout_ms=15_000)
+    long_ago = now_ms() - 20 * 60_000  # past every deadline; closed markers are kept an hour
+    groups = {f"{run_id}-b{i}": group_events(f"{run_id}-b{i}", seq=i, group_size=3, turns=2,
+                                              start_ms=long_ago + 100 * i) for i in range(40)}
+    unfinished = f"{run_id}-b7-s1"
+    groups[f"{run_id}-b7"] = [e for e in groups[f"{run_id}-b7"]
+                              if not (e[0] == "SessionFinished" and e[1]["session_id"] == unfinished)]
+    produce(kafka_bootstrap, [e for evs in groups.values() for e in evs])
+    want = {}
+    for gid, evs in groups.items():
+        timeout_at = evs[0][1]["event_time"] + settings.group_timeout_ms if gid.endswith("-b7") else None
+        want.update({r["group_id"]: r for _, s, r in expected(evs, settings, timeout_at) if s == "TrainSample"})
+
+    timeout_s = settings.group_timeout_ms / 1000
+    with worker_running(kafka_bootstrap, f"proc-behind-{run_id}", tmp_path / "worker", timeout_s):
+        reader = Reader(kafka_bootstrap, run_id)
+        reader.poll_until(lambda r: len(r.unique("TrainSample")) + len(r.unique("GroupSkipped")) >= len(groups),
+                          timeout=180)
+
+    assert reader.unique("GroupSkipped") == {}
+    samples = {s["group_id"]: s for s in reader.unique("TrainSample").values()}
+    assert sorted(samples) == sorted(want)
+    incomplete = sorted(g for g, s in samples.items() if not s["group_complete"])
+    assert incomplete == [f"{run_id}-b7"], f"closed before they were read whole: {incomplete}"
+    assert samples == want
+
+
 def test_sigkill_and_restart_yield_one_identical_sample_per_group(kafka_bootstrap, run_id, tmp_path):
     settings = ProcessorSettings(group_timeout_ms=600_000)
     t0 = now_ms()
