@@ -222,16 +222,18 @@ def build_app(config: TopologyConfig) -> faust.App:
             if not is_group(group_id) or not due(state, now, settings):
                 continue
             partition = state["partition"]
-            if not ends_seen.read_past([(t.name, partition) for t in INPUTS], due_ms(state, settings), folded_to):
-                waiting[partition] = waiting.get(partition, 0) + 1
+            due_at = due_ms(state, settings)
+            if not ends_seen.read_past([(t.name, partition) for t in INPUTS], due_at, folded_to):
+                if now - due_at > 2 * config.sweep_s * 1000:  # not only waiting for the next sweep: behind
+                    waiting[partition] = waiting.get(partition, 0) + 1
                 continue
             await timeouts.send(key=group_id.encode(), value=json.dumps({"group_id": group_id}).encode(),
                                 partition=partition)
         if waiting and now >= quiet_until:
             quiet_until = now + 30_000
-            log.info("%d groups are past their timeout on input partitions %s; they are closed once this worker has "
-                     "read what those partitions held at that time (it is behind, or its read-marks sweep has not "
-                     "looked since)", sum(waiting.values()), sorted(waiting))
+            log.info("%d groups (or closed markers) are due on input partitions %s, which this worker has not read "
+                     "up to their due time yet: they are closed once it has (it reads its backlog first)",
+                     sum(waiting.values()), sorted(waiting))
 
     inputs_names = {t.name for t in INPUTS}
 
