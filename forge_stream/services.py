@@ -118,6 +118,10 @@ class Supervisor:
         except FileNotFoundError:
             return {}
 
+    def names(self) -> list[str]:
+        """The services of the deployment, in the order they were started."""
+        return list(self._state())
+
     @contextmanager
     def locked(self):
         """The state, under the lock; what the block leaves in it is saved."""

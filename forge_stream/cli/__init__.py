@@ -7,6 +7,7 @@ from forge_stream.cli import claims
 from forge_stream.cli import eval
 from forge_stream.cli import engine
 from forge_stream.cli import gateway
+from forge_stream.cli import logs
 from forge_stream.cli import model
 from forge_stream.cli import plot
 from forge_stream.cli import processors
@@ -24,6 +25,7 @@ app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event
 app.command("up")(up.up)
 app.command("down")(up.down)
 app.command("status")(up.status)
+app.command("logs")(logs.logs)
 app.command("train")(train.train)
 app.command("replay")(replay.replay)
 app.command("sft")(sft.sft)

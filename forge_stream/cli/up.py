@@ -40,7 +40,7 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
     for name, svc in result["services"].items():
         console.print(f"  {name:<12} {svc['url'] or '(no port)'}  pid {svc['pid']}  log {svc['log']}")
     console.print(f"A supervisor (pid {result['supervisor']}) restarts a service that dies. "
-                  "Stop with `forge-stream down`; inspect with `forge-stream status`.")
+                  "Stop with `forge-stream down`; inspect with `forge-stream status` and `forge-stream logs`.")
 
 
 def _print_plan(result: dict, as_json: bool) -> None:
@@ -102,7 +102,8 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
     for name, s in result["services"].items():
         if s["state"] != "running" and s["last_exit"] and s["last_exit"]["log_tail"]:
             tail = "\n".join(s["last_exit"]["log_tail"].splitlines()[-8:])
-            out.print(f"[bold]{name}[/bold] {s['last_exit']['reason']}; its log {s['log']} ended:")
+            out.print(f"[bold]{name}[/bold] {s['last_exit']['reason']}; its log {s['log']} ended "
+                      f"(`forge-stream logs {name}`):")
             out.print(tail, markup=False, highlight=False)
     if not result["reachable"]:
         raise typer.Exit(1)
