@@ -64,8 +64,8 @@ class _Followed:
 
 def follow(followed: list[_Followed], interval: float = 0.25,
            stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[str, str]]:
-    """(name, line) for every line appended to the files, as they grow; a file that shrank (truncated or replaced)
-    is read again from its start, and one that does not exist yet is waited for."""
+    """(name, line) for every line appended to the files, as they grow; a file that shrank (truncated, or replaced
+    by a shorter one) is read again from its start, and one that does not exist yet is waited for."""
     while not stop():
         quiet = True
         for f in followed:
