@@ -44,11 +44,24 @@ def exit_reason(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def tail_lines(path: Path, lines: int) -> tuple[list[str], int]:
+    """The last `lines` lines of `path` (read backwards in 64 KB blocks, not whole), and the size they end at."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if lines <= 0:
+            return [], end
+        at, data = end, b""
+        while at > 0 and data.count(b"\n") <= lines:
+            step = min(64 * 1024, at)
+            at -= step
+            f.seek(at)
+            data = f.read(step) + data
+    return data.decode(errors="replace").splitlines()[-lines:], end
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        return "\n".join(tail_lines(path, lines)[0])
     except FileNotFoundError:
         return ""
 

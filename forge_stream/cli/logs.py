@@ -7,7 +7,6 @@ after `down` and across restarts: a restart appends), the supervisor's (`supervi
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,11 +15,11 @@ from pathlib import Path
 import typer
 
 from forge_stream.cli.options import settings
+from forge_stream.proc import tail_lines
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
 
 EXTRA = ("supervisor", "kafka")  # logs shown only when named
-_BLOCK = 64 * 1024
 
 
 def sources(cfg: ForgeSettings) -> dict[str, Path]:
@@ -36,22 +35,6 @@ def sources(cfg: ForgeSettings) -> dict[str, Path]:
         if path.exists():
             ordered[name] = path
     return ordered
-
-
-def tail(path: Path, lines: int) -> tuple[list[str], int]:
-    """The last `lines` lines of `path` (read backwards in blocks, not whole), and the size they end at."""
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        if lines <= 0:
-            return [], end
-        at, data = end, b""
-        while at > 0 and data.count(b"\n") <= lines:
-            step = min(_BLOCK, at)
-            at -= step
-            f.seek(at)
-            data = f.read(step) + data
-    text = data.decode(errors="replace").splitlines()
-    return text[-lines:], end
 
 
 @dataclass
@@ -117,7 +100,7 @@ def logs(names: list[str] = typer.Argument(None, metavar="SERVICE",
 
     followed = []
     for name in chosen:
-        shown, end = tail(known[name], lines)
+        shown, end = tail_lines(known[name], lines)
         for line in shown:
             show(name, line)
         followed.append(_Followed(name, known[name], end))

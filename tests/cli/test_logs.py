@@ -7,7 +7,8 @@ import subprocess
 import sys
 import threading
 
-from forge_stream.cli.logs import _Followed, follow, tail
+from forge_stream.cli.logs import _Followed, follow
+from forge_stream.proc import tail_lines as tail
 from forge_stream.services import ServiceSpec, Supervisor
 from helpers import until
 
