@@ -220,7 +220,9 @@ def audit(traffic: Traffic, finished: dict[str, int], drained: dict, poison: dic
     # a reward posted with an Idempotency-Key and retried after a gateway kill is the same event twice (the
     # processors count it once); any other source event is written once
     retried = {i for i in duplicates(grader_rewards) if i in ledger.rewards}
-    source_dups = {t.name: [i for i in duplicates(events(drained[t.name])) if i not in retried] for t in SOURCES}
+    # forge.rewards also carries the processors' rewards: those are outputs, checked with the derived topics below
+    source_dups = {t.name: [i for i in duplicates(grader_rewards if t == TOPICS.rewards else events(drained[t.name]))
+                            if i not in retried] for t in SOURCES}
     derived = {t.name: [e for e in events(drained[t.name]) if t != TOPICS.rewards or e["source"] == "processors"]
                for t in (TOPICS.trajectories, TOPICS.samples, TOPICS.rewards)}
     derived_dups = {name: duplicates(records) for name, records in derived.items()}
