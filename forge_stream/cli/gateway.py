@@ -4,6 +4,7 @@ processes on one port, each a replica that serves any session; forge_stream.gate
 import dataclasses
 import gc
 import json
+import logging
 import os
 from typing import List, Optional
 
@@ -77,6 +78,7 @@ def serve(
     options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s,
                    http=CoalescingHttpToolsProtocol)
     if workers == 1:
+        _configure_logging()
         app = create_app(gateway)
         _settle_gc()
         uvicorn.run(app, **options)
@@ -98,10 +100,17 @@ def worker_app():
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.settings import GatewaySettings
 
+    _configure_logging()
     fields = json.loads(os.environ[_SETTINGS_ENV])
     app = create_app(GatewaySettings(**{**fields, "engines": tuple(fields["engines"])}))
     _settle_gc()
     return app
+
+
+def _configure_logging() -> None:
+    """The gateway's own lines (and librdkafka's: forge_stream.kafka.clientlog) at INFO, dated like the other
+    services'; uvicorn's stay at warning (no line per request)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _settle_gc() -> None:

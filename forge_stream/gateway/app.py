@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -111,6 +112,8 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
             app.state.gateway = GatewayService(settings, sink or producer, http)
             try:
                 await app.state.gateway.restorer.start()
+                log.info("gateway ready (pid %d) on %s:%d: engines %s; recording to Kafka at %s", os.getpid(),
+                         settings.host, settings.port, ", ".join(settings.engines), settings.bootstrap)
                 yield
             finally:
                 await app.state.gateway.restorer.close()

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, deterministic_id, now_ms
+from forge_stream.kafka.clientlog import CLIENT_LOG
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS, Topic
 
@@ -157,7 +158,8 @@ class DecodingConsumer:
         self.name = name
         self.marks = Watermarks()
         self._topics = {t.name: t for t in topics}
-        self._consumer = Consumer(consumer_config(bootstrap, group_id, **{"enable.partition.eof": True, **config}))
+        self._consumer = Consumer(consumer_config(bootstrap, group_id, **{
+            "enable.partition.eof": True, "logger": CLIENT_LOG, **config}))  # its log: served by `poll`
         self._assigned: set[tuple[str, int]] = set()
         self._at_end: set[tuple[str, int]] = set()
         self._consumer.subscribe(list(self._topics), on_assign=self._on_assign, on_revoke=self._on_revoke)

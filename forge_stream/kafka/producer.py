@@ -21,6 +21,7 @@ from collections import deque
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from forge_stream.events import encode
+from forge_stream.kafka.clientlog import CLIENT_LOG
 from forge_stream.topics import TOPICS, Topic
 
 RECORD_OVERHEAD = 1024  # record batch and record headers around a value and key (the broker counts them)
@@ -50,7 +51,8 @@ class EventProducer:
         self.patient = patient
         if patient:
             config["message.timeout.ms"] = 0  # librdkafka: retry (idempotently) until acknowledged
-        self._producer = Producer(producer_config(bootstrap, **config))
+        # its log through Python logging (forge_stream.kafka.clientlog): the poll thread below serves it
+        self._producer = Producer(producer_config(bootstrap, **{"logger": CLIENT_LOG, **config}))
         # acknowledgements not yet handed to their loops (appended by librdkafka's callbacks on whichever thread
         # polls or flushes; a deque, whose append and popleft are atomic across threads)
         self._acked: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future, KafkaError | None, object]] = deque()

@@ -332,13 +332,13 @@ def test_a_restarted_gateway_continues_its_open_sessions_and_keeps_finished_ones
 
 
 @contextmanager
-def gateway_process(engine: str, bootstrap: str, *options: str):
-    """`forge-stream gateway serve` as a real process; yields (its URL, its Popen)."""
+def gateway_process(engine: str, bootstrap: str, *options: str, log=subprocess.DEVNULL):
+    """`forge-stream gateway serve` as a real process (its output to `log`); yields (its URL, its Popen)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with running([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine", engine, "--port", str(port),
                   "--bootstrap-servers", bootstrap, *options], name="the gateway", url=f"{url}/health",
-                 log=subprocess.DEVNULL, timeout=120, stop_timeout=60) as proc:
+                 log=log, timeout=120, stop_timeout=60) as proc:
         yield url, proc
 
 
@@ -375,10 +375,13 @@ def _workers(url: str, tries: int = 400) -> dict[int, dict]:
     return seen
 
 
-def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker(kafka_bootstrap, engine, run_id):
+def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker(kafka_bootstrap, engine, run_id,
+                                                                                  tmp_path):
     """`--workers 2`: one port, two processes; each call on a new connection goes to either; once a worker has
-    served a session the other opened, the sessions' turns are all recorded once, in order."""
-    with gateway_process(engine, kafka_bootstrap, "--workers", "2") as (url, _):
+    served a session the other opened, the sessions' turns are all recorded once, in order. Each worker's log says
+    where it serves and records, dated, and so does librdkafka's (no raw `%4|...|` lines)."""
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("w") as log, gateway_process(engine, kafka_bootstrap, "--workers", "2", log=log) as (url, _):
         workers = _workers(url)
         assert len(workers) == 2 and {h["sessions_shared_by"] for h in workers.values()} == {"ledger"}
         agents = [(CountingAgent(), open_session(url, run_id)) for _ in range(3)]
@@ -394,6 +397,11 @@ def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker
             assert finish.status_code == 200, finish.text
     for agent, session in agents:
         agent.check(kafka_bootstrap, session["session_id"])
+    lines = log_path.read_text().splitlines()
+    for pid in workers:
+        assert any(f"INFO forge_stream.gateway.app: gateway ready (pid {pid}) on 127.0.0.1:{url.rsplit(':', 1)[1]}: "
+                   f"engines {engine}; recording to Kafka at {kafka_bootstrap}" in line for line in lines), lines
+    assert not [line for line in lines if line.startswith("%")], lines
 
 
 def _listening_sockets(port: int) -> int:
