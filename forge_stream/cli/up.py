@@ -14,7 +14,7 @@ from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.services import ServiceError, Supervisor
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # long paths stay whole on their line (copyable) when not on a terminal
 
 
 def up(topology: str = typer.Argument("local", help="A name under topologies/ or a YAML path."),
@@ -73,7 +73,7 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
     if as_json:
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["reachable"] else 1)
-    out = Console()
+    out = Console(soft_wrap=True)
     if result["reachable"]:
         topics = Table("topic", "partitions", "messages", title=f"Kafka at {cfg.bootstrap}")
         for name, t in result["topics"].items():

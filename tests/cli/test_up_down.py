@@ -69,7 +69,15 @@ def test_up_status_down_up_keeps_data(tmp_path):
         assert not json.loads(subprocess.run([sys.executable, "-m", "forge_stream", "status", "--json"], env=env,
                                              capture_output=True, text=True).stdout)["reachable"]
 
-        cli(env, "up", "--json")
+        again = subprocess.run([sys.executable, "-m", "forge_stream", "up"], env=env, capture_output=True, text=True,
+                               timeout=180)  # as a newcomer reads it, piped (not a terminal: no 80-column wrap)
+        assert again.returncode == 0, again.stderr[-3000:]
+        lines = again.stderr.splitlines()
+        assert any(line.startswith("forge-stream is up: Kafka at " + bootstrap) for line in lines), lines
+        for name in up["services"]:  # each service on one line, its log's path whole (copyable)
+            log = tmp_path / "home" / "run" / f"{name}.log"
+            assert any(line.lstrip().startswith(name) and line.endswith(f"log {log}") for line in lines), lines
+        assert any("`forge-stream logs`" in line for line in lines), lines
         consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "after-restart",
                              "auto.offset.reset": "earliest"})
         consumer.subscribe([TOPICS.tasks.name])
