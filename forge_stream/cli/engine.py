@@ -1,5 +1,7 @@
 """`forge-stream engine serve`: run the local rollout engine as its own HTTP server process."""
 
+import logging
+
 import typer
 
 from forge_stream.cli.options import ready_kafka
@@ -43,6 +45,12 @@ def serve(
                               policy_version=policy_version, max_batch_size=max_batch_size,
                               max_model_len=max_model_len, dtype=dtype, device=device,
                               logprobs_mode=logprobs_mode, prefix_cache_tokens=prefix_cache_tokens)
+    # its own lines (ready, each policy version loaded) dated like the other services'; uvicorn's and aiokafka's
+    # (the policy follower) at warning; no progress bar for each checkpoint loaded (a log, not a terminal)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()
     app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
@@ -59,7 +67,6 @@ def vllm_sync(
 ) -> None:
     """Push each new policy version of RUN into the vLLM workers (they must read its checkpoint directory)."""
     import asyncio
-    import logging
 
     from forge_stream.engine.vllm_sync import SyncSettings, follow_policy
 

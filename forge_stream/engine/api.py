@@ -11,6 +11,8 @@ loop (health checks, other requests' streams).
 
 import asyncio
 import contextlib
+import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -35,6 +37,9 @@ from forge_stream.openai_protocol import (
     LoadWeightsResponse,
     ModelList,
 )
+from forge_stream.topics import TOPICS
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -102,6 +107,12 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
     async def lifespan(app: FastAPI):
         engine.start()
         watcher = asyncio.create_task(watch_policy(engine, policy_bootstrap, policy_run)) if policy_bootstrap else None
+        settings, path = engine.settings, engine.scheduler.current.path
+        log.info("engine ready (pid %d) on %s:%d: model %s at policy version %d (%s, %s); %s", os.getpid(),
+                 settings.host, settings.port, path if settings.model_name == path else f"{settings.model_name} "
+                 f"from {path}", engine.policy_version, settings.device, settings.dtype,
+                 f"loads each new version of run {policy_run!r} from {TOPICS.policy.name} at {policy_bootstrap}"
+                 if policy_bootstrap else "follows no policy topic (no --bootstrap-servers)")
         try:
             yield
         finally:

@@ -52,3 +52,12 @@ def test_engine_follows_forge_policy(kafka_bootstrap, tiny_model_dir, tiny_model
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}, timeout=30).json()
         assert reply["policy_version"] == version
     producer.close()
+    # its log says what it serves and follows, and each version it loaded or could not load, dated
+    lines = (tmp_path / "engine.log").read_text().splitlines()
+    ready = [line for line in lines if "INFO forge_stream.engine.api: engine ready (pid " in line]
+    assert len(ready) == 1 and f"at policy version {version - 1} (cpu, float32); loads each new version of run " \
+        f"'default' from {TOPICS.policy.name} at {kafka_bootstrap}" in ready[0], lines
+    assert any(f"WARNING forge_stream.engine.policy_watch: cannot load policy version {version} " in line
+               for line in lines), lines
+    assert any(f"INFO forge_stream.engine.policy_watch: loaded policy version {version} from {tiny_model_dir_v1} in "
+               in line for line in lines), lines
