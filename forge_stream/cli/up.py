@@ -64,6 +64,15 @@ def down(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = Jso
                f"embedded broker {'stopped' if result['stopped_broker'] else 'was not running'}")
 
 
+def _print_whole(out: Console, *tables: Table) -> None:
+    """Print tables without cutting a cell short (a URL ending in "…") when the output is not a terminal (a pipe, a
+    file): rich lays them out to 80 columns there unless COLUMNS says otherwise."""
+    if not out.is_terminal:
+        wide = out.options.update_width(1 << 16)
+        out.width = max([out.width, *(out.measure(t, options=wide).maximum for t in tables)])
+    out.print(*tables)
+
+
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
     """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
     (running, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
@@ -84,7 +93,7 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
             if g.get("uncommitted"):
                 lag += f" ({len(g['uncommitted'])} partitions never committed)"
             groups.add_row(name, lag)
-        out.print(topics, groups)
+        _print_whole(out, topics, groups)
     else:
         console.print(f"[red]Kafka at {cfg.bootstrap} is not reachable[/red]: {result['error']}\n"
                       "Start it with `forge-stream up`.")
@@ -95,7 +104,7 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
         services.add_row(name, f"[{style}]{s['state']}[/{style}]", str(s["pid"] or "-"), str(s["restarts"]),
                          f"{last['reason']} after {last['ran_s']:.0f}s" if last else "", s["url"] or "")
     if result["services"]:
-        out.print(services)
+        _print_whole(out, services)
     if result["services"] and not any(s["supervised"] for s in result["services"].values()):
         out.print("[red]The supervisor is not running[/red]: nothing restarts a service that dies. "
                   "`forge-stream up` starts it again.")

@@ -51,6 +51,9 @@ def test_killed_service_is_restarted_and_status_says_why(kafka_bootstrap, tmp_pa
         assert httpx.get(f"http://127.0.0.1:{port}/subjects").status_code == 200
         table = cli(env, "status", "-b", kafka_bootstrap).stdout
         assert "killed by SIGKILL" in table and "running" in table
+        piped = cli({k: v for k, v in env.items() if k != "COLUMNS"}, "status", "-b", kafka_bootstrap).stdout
+        row = next(line for line in piped.splitlines() if "registry" in line)  # no cell cut short at 80 columns
+        assert "killed by SIGKILL after" in row and f"http://127.0.0.1:{port} " in row and "…" not in piped
 
         down = json.loads(cli(env, "down", "-b", kafka_bootstrap, "--json").stdout)
         assert down["stopped_services"] == ["registry"]
