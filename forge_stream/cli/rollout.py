@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 from typing import Optional
 
 import typer
@@ -69,12 +70,14 @@ def run(
     max_groups: Optional[int] = typer.Option(None, help="Stop after this many groups."),
     agent_timeout: float = typer.Option(600.0, help="Seconds before an episode fails (session status error)."),
     admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN"),
+    report_every: float = typer.Option(30.0, help="Without a terminal (a service's log, a pipe): log the groups, "
+                                                  "sessions and mean reward every this many seconds (0: never)."),
     bootstrap_servers: Optional[str] = BootstrapOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish."""
     from forge_stream.kafka.producer import EventProducer
-    from forge_stream.rollout.controller import RolloutController, RolloutSettings
+    from forge_stream.rollout.controller import ProgressLog, RolloutController, RolloutSettings
     from forge_stream.rollout.sources import ResizedTasks, load_task_source
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -86,16 +89,33 @@ def run(
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
                               admin_token, concurrency, attempt, loop, max_groups)
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
+    reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
+    if reports:
+        logger = logging.getLogger("forge_stream.rollout.controller")
+        logger.setLevel(logging.INFO)
+        logger.info("rolling out %s with `%s` through %s: up to %d sessions in flight%s; a progress line every %g s",
+                    tasks, agent, rollout.gateway_url, concurrency, ", the source over and over" if loop else "",
+                    report_every)
 
     async def main(progress: Progress) -> dict:
         runner = make_agent(agent, agent_workers, agent_per_worker, agent_timeout)
         stop = asyncio.Event()
         install_stop(stop, lambda line: typer.echo(line, err=True))
         bar = progress.add_task("rolling out", total=max_groups)
+        controller = RolloutController(rollout, runner, producer)
+
+        def done(_task_id, outcomes) -> None:
+            progress.advance(bar)
+            if reports:
+                reports.add(outcomes)
+
+        reporting = reports and asyncio.create_task(
+            reports.run(lambda: controller.slots.capacity - controller.slots.free))
         try:
-            return await RolloutController(rollout, runner, producer).run(
-                source, stop, progress=lambda *_: progress.advance(bar))
+            return await controller.run(source, stop, progress=done)
         finally:
+            if reporting:
+                reporting.cancel()
             if hasattr(runner, "aclose"):
                 await runner.aclose()
 

@@ -35,7 +35,7 @@ from forge_stream.topics import TOPICS
 log = logging.getLogger(__name__)
 RESTARTED = "rollout controller restarted"
 
-__all__ = ["RolloutController", "RolloutSettings", "SequenceClock", "SessionOutcome", "TaskSpec"]
+__all__ = ["ProgressLog", "RolloutController", "RolloutSettings", "SequenceClock", "SessionOutcome", "TaskSpec"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,83 @@ class GroupIds:
     event_id: str  # of its Task
 
 
+class Mean:
+    """A running mean; `value` is None before anything was added."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def add(self, values: Iterable[float]) -> None:
+        for v in values:
+            self.total += v
+            self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+def _mean(m: Mean) -> str:
+    return "no reward yet" if m.value is None else f"mean reward {m.value:.3f}"
+
+
+class ProgressLog:
+    """What a controller without a terminal says in its log (a `forge-stream up learn` service, a piped run):
+    every `every_s` seconds, one INFO line with the groups, sessions and mean outcome reward (per domain) of the
+    last interval and of the whole run, and the sessions in flight; a stalled run says "0 groups" rather than
+    nothing.
+
+    >>> p = ProgressLog(30.0, capacity=8, now=lambda: 100.0)
+    >>> p.add([SessionOutcome("s1", "t", "agent", 1.0, True), SessionOutcome("s2", "t", "agent", 0.0, False, "x")])
+    >>> p.line(in_flight=6, now=130.0)
+    'last 30 s: 1 groups, 2 sessions (1 failed), mean reward 0.500 (agent 0.500); in all: 1 groups, 2 sessions, \
+mean reward 0.500; 6 of 8 sessions in flight'
+    >>> p.line(in_flight=8, now=160.0)
+    'last 30 s: 0 groups, 0 sessions (0 failed), no reward yet; in all: 1 groups, 2 sessions, mean reward 0.500; \
+8 of 8 sessions in flight'
+    """
+
+    def __init__(self, every_s: float, capacity: int, now: Callable[[], float] = time.monotonic):
+        self.every_s, self.capacity, self._now = every_s, capacity, now
+        self.groups = self.sessions = 0
+        self.rewarded = Mean()
+        self._since = now()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._groups = self._sessions = self._failed = 0
+        self._rewarded = Mean()
+        self._domains: dict[str, Mean] = {}
+
+    def add(self, outcomes: list[SessionOutcome]) -> None:
+        rewards = [o.reward for o in outcomes if o.reward is not None]
+        self.groups, self._groups = self.groups + 1, self._groups + 1
+        self.sessions, self._sessions = self.sessions + len(outcomes), self._sessions + len(outcomes)
+        self._failed += sum(not o.ok for o in outcomes)
+        self.rewarded.add(rewards)
+        self._rewarded.add(rewards)
+        for o in outcomes:
+            if o.reward is not None:
+                self._domains.setdefault(o.domain or "-", Mean()).add([o.reward])
+
+    def line(self, in_flight: int, now: float | None = None) -> str:
+        now = self._now() if now is None else now
+        domains = ", ".join(f"{d} {m.value:.3f}" for d, m in sorted(self._domains.items()))
+        text = (f"last {now - self._since:.0f} s: {self._groups} groups, {self._sessions} sessions ({self._failed} "
+                f"failed), {_mean(self._rewarded)}{f' ({domains})' if domains else ''}; in all: {self.groups} "
+                f"groups, {self.sessions} sessions, {_mean(self.rewarded)}; {in_flight} of {self.capacity} "
+                "sessions in flight")
+        self._since = now
+        self._reset()
+        return text
+
+    async def run(self, in_flight: Callable[[], int]) -> None:
+        """Log a line every `every_s` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            log.info("%s", self.line(in_flight()))
+
+
 class RolloutController:
     def __init__(self, settings: RolloutSettings, agent: Agent, producer: EventProducer):
         self.settings = settings
@@ -77,7 +154,7 @@ class RolloutController:
         self.slots = Slots(settings.concurrency)
         self.clock = SequenceClock()
         self.counts: Counter = Counter()
-        self.rewards: list[float] = []
+        self.rewarded = Mean()  # the outcome rewards of this run (a sum and a count: `loop` runs for days)
 
     def ids(self, cycle: int, position: int, task: TaskSpec) -> GroupIds:
         identity = (self.settings.name, cycle, position, task.task_id)
@@ -134,7 +211,7 @@ class RolloutController:
         self.counts["groups"] += 1
         self.counts["sessions"] += len(outcomes)
         self.counts["failed_sessions"] += sum(not o.ok for o in outcomes)
-        self.rewards += [o.reward for o in outcomes if o.reward is not None]
+        self.rewarded.add(o.reward for o in outcomes if o.reward is not None)
         for failed in (o for o in outcomes if not o.ok):
             log.warning("session %s of task %s failed: %s", failed.session_id, task.task_id, failed.reason)
         if progress:
@@ -186,4 +263,4 @@ class RolloutController:
         return {**{k: self.counts[k] for k in ("groups", "sessions", "failed_sessions", "failed_groups",
                                                 "skipped_groups", "recovered_sessions")},
                 "cycles": cycle - self.settings.attempt + 1,
-                "mean_reward": sum(self.rewards) / len(self.rewards) if self.rewards else None}
+                "mean_reward": self.rewarded.value}

@@ -18,10 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 AGENT = (f"{sys.executable} -c \"import os, time; time.sleep(float(os.environ['AGENT_SLEEP'])); print(42)\"")
 
 
-def controller(kafka_bootstrap, gateway, tasks, name, sleep, **popen):
+def controller(kafka_bootstrap, gateway, tasks, name, sleep, *options, **popen):
     env = {**os.environ, "AGENT_SLEEP": str(sleep)}
     argv = [sys.executable, "-m", "forge_stream", "rollout", "run", "--tasks", str(tasks), "--agent", AGENT,
-            "--gateway-url", gateway, "--name", name, "--concurrency", "4", "-b", kafka_bootstrap, "--json"]
+            "--gateway-url", gateway, "--name", name, "--concurrency", "4", "-b", kafka_bootstrap, "--json",
+            *options]
     return subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen)
 
@@ -99,3 +100,22 @@ def test_sigterm_stops_taking_groups_and_lets_pooled_episodes_finish(kafka_boots
     assert result == {**result, "sessions": 2 * result["groups"], "failed_sessions": 0, "mean_reward": 1.0}
     assert 2 <= result["groups"] < 8
     assert len(read_events(kafka_bootstrap, TOPICS.tasks, mine(run_id))) == result["groups"]
+
+
+def test_without_a_terminal_the_controller_logs_its_progress(kafka_bootstrap, gateway, run_id, tmp_path):
+    """A controller run as a service (`up learn`) or piped has no progress bar: it logs a line every
+    `--report-every` seconds (groups, sessions, mean reward by domain, sessions in flight)."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"{run_id}-{i}", "prompt": {"answer": "42"}, "domain": "lookup",
+                                         "grader": "numeric", "group_size": 2}) + "\n" for i in range(4)))
+    run = controller(kafka_bootstrap, gateway, tasks, run_id, 1.5, "--report-every", "0.5")
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err[-3000:]
+    assert json.loads(out)["groups"] == 4
+    lines = [line for line in err.splitlines() if "INFO forge_stream.rollout.controller:" in line]
+    assert "rolling out" in lines[0] and f"through {gateway}: up to 4 sessions in flight" in lines[0], err
+    progress = [line.split("controller: ", 1)[1] for line in lines[1:]]
+    assert progress and all(p.startswith("last ") for p in progress), err
+    assert any(p.endswith("4 of 4 sessions in flight") for p in progress), err  # while the first two groups run
+    assert any("in all: 2 groups, 4 sessions, mean reward 1.000" in p for p in progress), err
+    assert any("2 groups, 4 sessions (0 failed), mean reward 1.000 (lookup 1.000)" in p for p in progress), err

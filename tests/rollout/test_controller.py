@@ -189,3 +189,12 @@ def test_loop_starts_the_source_over_with_new_group_ids(kafka_bootstrap, gateway
     assert sorted(t["metadata"]["cycle"] for t in published) == ["7", "7", "8", "8", "9"]
     seqs = [t["seq"] for t in sorted(published, key=lambda t: (t["metadata"]["cycle"], t["metadata"]["position"]))]
     assert seqs == sorted(seqs) and len(set(seqs)) == 5
+
+
+def test_progress_log_lines():
+    import doctest
+
+    from forge_stream.rollout import controller
+
+    result = doctest.testmod(controller)
+    assert result.attempted >= 3 and result.failed == 0
