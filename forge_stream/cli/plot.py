@@ -38,6 +38,7 @@ def rewards(
     if as_json:
         typer.echo(json.dumps(curves.to_json()))
     else:
-        typer.echo(f"run {curves.run}: {len(curves.train.step)} steps, "
-                   f"{sum(len(s.x) for s in curves.evals.values())} evaluations in {len(curves.evals)} domains "
-                   f"-> {out}")
+        evaluations = len({x for s in curves.evals.values() for x in s.x})  # each has a point per domain
+        domains = ", ".join(d for d in sorted(curves.evals) if d != "all")
+        typer.echo(f"run {curves.run}: {len(curves.train.step)} steps, {evaluations} held-out "
+                   f"evaluation{'' if evaluations == 1 else 's'}{f' ({domains})' if domains else ''} -> {out}")

@@ -53,6 +53,8 @@ def test_plot_rewards_from_the_broker(kafka_bootstrap, run_id, tmp_path):
     assert qa["ci_low"] == [eval_result(run_id, v, "qa", m)["ci_low"] for v, _, m in evals[:3]]
     assert qa["ci_high"] == [eval_result(run_id, v, "qa", m)["ci_high"] for v, _, m in evals[:3]]
     assert series["evals"]["reasoning"]["mean_reward"] == [0.3]
+    said = CliRunner().invoke(app, ["plot", "rewards", "--out", str(out), "--run", run_id, "-b", kafka_bootstrap])
+    assert said.stdout.strip() == f"run {run_id}: 6 steps, 3 held-out evaluations (qa, reasoning) -> {out}"
 
 
 def test_a_perfect_score_whose_bound_rounds_below_it_still_plots(tmp_path):
