@@ -197,10 +197,16 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
 
 def partition_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
     """Each partition's (start, end) offsets: the oldest record still kept and the next one to be written."""
+    return watermarks(bootstrap, {topic: partitions})[topic]
+
+
+def watermarks(bootstrap: str, topics: dict[str, int]) -> dict[str, dict[int, tuple[int, int]]]:
+    """`partition_offsets` of several topics (name: partitions), with one client."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "forge-stream-status",
                          "enable.auto.commit": False, **QUIET})
     try:
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in range(partitions)}
+        return {topic: {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                        for p in range(partitions)} for topic, partitions in topics.items()}
     finally:
         consumer.close()
 
@@ -219,23 +225,24 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
         metadata = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
         return {"bootstrap_servers": bootstrap, "reachable": False, "error": str(exc)}
-    topics = {}
-    for name, meta in sorted(metadata.topics.items()):
-        if name.startswith("__"):
-            continue
-        offsets = partition_offsets(bootstrap, name, len(meta.partitions))
-        ends = {p: high for p, (_, high) in offsets.items()}
-        topics[name] = {"partitions": len(meta.partitions), "end_offsets": ends,
-                        "start_offsets": {p: low for p, (low, _) in offsets.items()}, "messages": sum(ends.values())}
-    groups = {}
+    sizes = {name: len(meta.partitions) for name, meta in sorted(metadata.topics.items()) if not name.startswith("__")}
+    # The groups' commits first, the end offsets after: a commit never passes the end offset of its moment, and end
+    # offsets only grow, so no lag comes out negative while the groups keep committing (read the other way round,
+    # a busy group's lag was).
     listed = admin.list_consumer_groups(request_timeout=timeout).result()
     names = sorted(g.group_id for g in listed.valid)
     described = admin.describe_consumer_groups(names, request_timeout=timeout) if names else {}
+    commits = {}
     for group in names:
         result = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])[group].result()
-        committed = {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
-                     if tp.offset >= 0 and tp.topic in topics}
-        groups[group] = _lag(committed, _assigned(described[group], topics), topics)
+        commits[group] = {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions
+                          if tp.offset >= 0 and tp.topic in sizes}
+    topics = {}
+    for name, offsets in watermarks(bootstrap, sizes).items():
+        ends = {p: high for p, (_, high) in offsets.items()}
+        topics[name] = {"partitions": sizes[name], "end_offsets": ends,
+                        "start_offsets": {p: low for p, (low, _) in offsets.items()}, "messages": sum(ends.values())}
+    groups = {group: _lag(commits[group], _assigned(described[group], topics), topics) for group in names}
     return {"bootstrap_servers": bootstrap, "reachable": True, "brokers": len(metadata.brokers),
             "topics": topics, "consumer_groups": groups}
 

@@ -64,3 +64,47 @@ def test_a_stream_processors_state_topics_are_not_its_lag():
 
     assert _state_topic("forge-processors-groups-changelog") and _state_topic("forge-processors-__assignor-__leader")
     assert not _state_topic("forge.completions") and not _state_topic("forge-processors-timeouts")
+
+
+def test_a_group_committing_while_status_reads_never_lags_below_zero(kafka_bootstrap, run_id, monkeypatch):
+    """`status` once showed a busy group's lag as -7: it read the end offsets, then the group's commits, which had
+    moved past them meanwhile. Here the group writes and commits right after `describe` read the end offset."""
+    from confluent_kafka import Producer, TopicPartition
+
+    from forge_stream.kafka import admin
+    from forge_stream.kafka.admin import scratch_topic
+
+    group = f"busy-{run_id}"
+
+    def commit_at_end(topic: str) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for i in range(5):
+            producer.produce(topic, b"x", partition=0)
+        producer.flush(30)
+        committer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+        try:
+            end = committer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+            committer.commit(offsets=[TopicPartition(topic, 0, end)], asynchronous=False)
+        finally:
+            committer.close()
+
+    with scratch_topic(kafka_bootstrap, f"lag-race-{run_id}", 1) as topic:
+        commit_at_end(topic)  # 5 records, all committed
+
+        class Racing:  # the Consumer `describe` reads end offsets with; the group moves on right after
+            def __init__(self, config):
+                self.real = Consumer(config)
+
+            def get_watermark_offsets(self, tp, timeout):
+                offsets = self.real.get_watermark_offsets(tp, timeout=timeout)
+                if tp.topic == topic:
+                    commit_at_end(topic)
+                return offsets
+
+            def close(self):
+                self.real.close()
+
+        monkeypatch.setattr(admin, "Consumer", Racing)
+        status = describe(kafka_bootstrap)
+        assert status["topics"][topic]["end_offsets"] == {0: 5}
+        assert status["consumer_groups"][group]["lag"] == 0  # its commit at 5; read the other way round: -5
