@@ -28,6 +28,7 @@ import httpx
 import orjson
 
 from forge_stream.gateway.scripted import encode, render
+from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.bench import bench_kafka
 from forge_stream.kafka.admin import end_offsets, scratch_topic
 from forge_stream.kafka.broker import free_port
@@ -148,7 +149,7 @@ def _machine_cpu_seconds() -> float:
 
 
 def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
-        bootstrap: str | None = None, workers: int = 1, linger_ms: float = 2.0, shared_sessions: bool = False,
+        bootstrap: str | None = None, workers: int = 1, linger_ms: float = GatewaySettings.linger_ms, shared_sessions: bool = False,
         floor: bool = False, rounds: int = 3, reconnect: bool = False) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
     runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions).

@@ -11,6 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from forge_stream.cli.options import JsonOption
+from forge_stream.gateway.settings import GatewaySettings
 
 
 class _StopsOnSigterm(TyperGroup):
@@ -73,7 +74,8 @@ def gateway(
     prompt_bytes: int = typer.Option(1000, help="User message size (the scripted engine: 1 token per byte)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
     workers: int = typer.Option(1, help="Gateway processes on its port (gateway serve --workers)."),
-    linger_ms: float = typer.Option(2.0, help="The gateway's producer linger (gateway serve --linger-ms)."),
+    linger_ms: float = typer.Option(GatewaySettings.linger_ms,
+                                    help="The gateway's producer linger (gateway serve --linger-ms)."),
     shared_sessions: bool = typer.Option(False, help="Run the gateway with --shared-sessions (follow Kafka, as "
                                                      "replicas on several hosts do)."),
     floor: bool = typer.Option(False, help="Also measure a pass-through proxy on the same servers and client "

@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
+from forge_stream.gateway.settings import GatewaySettings
 
 _SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
 # A gateway call allocates a few hundred containers (the engine's parsed answer: a dict per logprob), and 64 calls
@@ -35,8 +36,9 @@ def serve(
     max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
     ack_timeout_ms: int = typer.Option(10_000, help="Kafka acknowledgement timeout (then 503)."),
     linger_ms: float = typer.Option(
-        2.0, help="How long the producer gathers Completions into one Kafka request: longer means fewer requests "
-                  "for the broker under load (its CPU per call), and that much more latency per call at low load."),
+        GatewaySettings.linger_ms,
+        help="How long the producer gathers Completions into one Kafka request: longer means fewer requests for the "
+             "broker under load (its CPU per call), and that much more latency per call at low load."),
     max_in_flight: int = typer.Option(256, help="OpenAI calls served at once (engine call until Kafka's ack)."),
     max_waiting: int = typer.Option(1024, help="Calls waiting for a slot; past it a call is shed with 429."),
     max_wait_s: float = typer.Option(30.0, help="A call that waited this long for a slot is shed with 503."),
@@ -62,7 +64,6 @@ def serve(
 
     from forge_stream.gateway.app import create_app
     from forge_stream.gateway.ledger import WorkerLedger
-    from forge_stream.gateway.settings import GatewaySettings
     from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
     from forge_stream.gateway.workers import bind_port, run_workers
 
@@ -98,7 +99,6 @@ def serve(
 def worker_app():
     """The app of one `serve --workers N` worker process, with the settings `serve` built."""
     from forge_stream.gateway.app import create_app
-    from forge_stream.gateway.settings import GatewaySettings
 
     _configure_logging()
     fields = json.loads(os.environ[_SETTINGS_ENV])
