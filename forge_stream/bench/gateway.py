@@ -149,8 +149,8 @@ def _machine_cpu_seconds() -> float:
 
 
 def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int, ...] = (1, 64),
-        bootstrap: str | None = None, workers: int = 1, linger_ms: float = GatewaySettings.linger_ms, shared_sessions: bool = False,
-        floor: bool = False, rounds: int = 3, reconnect: bool = False) -> dict:
+        bootstrap: str | None = None, workers: int = 1, linger_ms: float = GatewaySettings.linger_ms,
+        shared_sessions: bool = False, floor: bool = False, rounds: int = 3, reconnect: bool = False) -> dict:
     """Measure; `requests` per phase at the highest concurrency (a quarter of it at concurrency 1). `workers` > 1
     runs the gateway as that many processes on its port (`gateway serve --workers`: replicas sharing sessions).
     `floor` also measures, at the highest concurrency, a pass-through proxy with as many workers
