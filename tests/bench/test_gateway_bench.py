@@ -26,8 +26,9 @@ def test_the_gateway_bench_records_every_call_and_accounts_each_process(kafka_bo
     # three rounds at the top concurrency (every gateway call of each counted above); the median round is reported
     ratios = [r["gateway_to_engine"] for r in out["rounds"]]
     assert len(ratios) == 3 and out["gateway_to_engine"] == sorted(ratios)[1]
-    median = out["rounds"][ratios.index(out["gateway_to_engine"])]
-    assert median["recorded_per_s"] == round(out["concurrency"]["8"]["gateway"]["per_s"])
+    reported = round(out["concurrency"]["8"]["gateway"]["per_s"])  # the median round's (ratios may tie at 3 places)
+    assert any(r["gateway_to_engine"] == out["gateway_to_engine"] and r["recorded_per_s"] == reported
+               for r in out["rounds"])
     assert out["sessions_shared_by"] == ("ledger" if workers == 2 else None)
 
 
