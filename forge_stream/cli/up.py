@@ -87,12 +87,16 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
         topics = Table("topic", "partitions", "messages", title=f"Kafka at {cfg.bootstrap}")
         for name, t in result["topics"].items():
             topics.add_row(name, str(t["partitions"]), str(t["messages"]))
-        groups = Table("consumer group", "lag")
+        groups = Table("consumer group", "members", "lag")
         for name, g in result["consumer_groups"].items():
             lag = "no commits" if g["lag"] is None else str(g["lag"])
             if g.get("uncommitted"):
                 lag += f" ({len(g['uncommitted'])} partitions never committed)"
-            groups.add_row(name, lag)
+            members = "?" if g["members"] is None else str(g["members"])
+            if g["members"] == 0:
+                members = "[dim]0 (idle)[/dim]"
+                lag += " (nothing reads it now)" if g["lag"] else ""
+            groups.add_row(name, members, lag)
         _print_whole(out, topics, groups)
     else:
         console.print(f"[red]Kafka at {cfg.bootstrap} is not reachable[/red]: {result['error']}\n"

@@ -218,7 +218,9 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
     members are assigned but never committed on, the whole partition (it starts from the earliest record); such
     partitions that hold records are listed under `uncommitted`. A stream processor's state topics (changelogs)
     are not its input and do not count. A group with no commits and no assignment has lag None
-    (shown as "no commits"), never 0.
+    (shown as "no commits"), never 0. `members` is how many consumers are in the group now (None when it could not
+    be described): a group with none is idle, its lag a backlog that nothing reads (a one-shot export that finished,
+    a service that is down).
     """
     admin = admin_client(bootstrap)
     try:
@@ -242,19 +244,23 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
         ends = {p: high for p, (_, high) in offsets.items()}
         topics[name] = {"partitions": sizes[name], "end_offsets": ends,
                         "start_offsets": {p: low for p, (low, _) in offsets.items()}, "messages": sum(ends.values())}
-    groups = {group: _lag(commits[group], _assigned(described[group], topics), topics) for group in names}
+    groups = {}
+    for group in names:
+        members, assigned = _membership(described[group], topics)
+        groups[group] = {**_lag(commits[group], assigned, topics), "members": members}
     return {"bootstrap_servers": bootstrap, "reachable": True, "brokers": len(metadata.brokers),
             "topics": topics, "consumer_groups": groups}
 
 
-def _assigned(future, topics: dict) -> set[tuple[str, int]]:
-    """The partitions the group's members hold now (none when it has no members or cannot be described)."""
+def _membership(future, topics: dict) -> tuple[int | None, set[tuple[str, int]]]:
+    """How many members the group has now and the partitions they hold (None and none when it cannot be
+    described)."""
     try:
         members = future.result().members
     except KafkaException:
-        return set()
-    return {(tp.topic, tp.partition) for m in members for tp in m.assignment.topic_partitions
-            if tp.topic in topics and not _state_topic(tp.topic)}
+        return None, set()
+    return len(members), {(tp.topic, tp.partition) for m in members for tp in m.assignment.topic_partitions
+                          if tp.topic in topics and not _state_topic(tp.topic)}
 
 
 def _state_topic(name: str) -> bool:

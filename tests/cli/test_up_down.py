@@ -57,6 +57,9 @@ def test_up_status_down_up_keeps_data(tmp_path):
         assert status["topics"][TOPICS.tasks.name]["partitions"] == TOPICS.tasks.partitions
         lag = status["consumer_groups"]["half-reader"]["lag"]
         assert lag == status["topics"][TOPICS.tasks.name]["end_offsets"]["0"] - 1
+        assert status["consumer_groups"]["half-reader"]["members"] == 0  # it committed and left
+        row = next(line for line in cli(env, "status").splitlines() if "half-reader" in line)
+        assert "0 (idle)" in row and f"{lag} (nothing reads it now)" in row, row
         assert status["services"]["registry"]["healthy"]
         # from a shell that only knows the home (no FORGE_KAFKA_PORT): the deployment's Kafka, not the default
         home_only = {k: v for k, v in env.items() if k not in ("FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT")}

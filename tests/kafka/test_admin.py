@@ -36,6 +36,7 @@ def test_a_group_that_never_committed_lags_by_the_whole_partition(kafka_bootstra
     lag = status["consumer_groups"][group]
     assert whole >= 3 and lag["lag"] == whole, "nothing committed: every record of the partitions is behind"
     assert lag["lag_by_topic"] == {TOPICS.tasks.name: whole}
+    assert lag["members"] == 1  # the consumer above, still in the group when `describe` read it
     holding = {f"{TOPICS.tasks.name}[{p}]" for p in range(TOPICS.tasks.partitions)
                if tasks["end_offsets"][p] > tasks["start_offsets"][p]}
     assert holding and sorted(lag["uncommitted"]) == sorted(holding)  # the empty partitions are not noise there
