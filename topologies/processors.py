@@ -329,9 +329,44 @@ class _RetriedCoordinatorLookups(logging.Filter):
         return True
 
 
-def run_worker(config: TopologyConfig, loglevel: str = "info") -> None:
-    """Run the topology in this process until it is stopped (SIGTERM/SIGINT)."""
+class _LoadNotices(logging.Filter):
+    """faust logs two things at WARNING that a loaded machine sees all the time and that need nothing done: its
+    producer buffer holding over 100 table writes ("producer buffer full size N": the stream waits for them to reach
+    Kafka, which is its backpressure) and a timer whose run took longer than its interval ("Timer commit is
+    overlapping": a commit waited for the cores). They become INFO records that say so; a timer that ran for over
+    `stalled_s` stays a WARNING (a commit that slow is a broker or a worker in trouble)."""
+
+    stalled_s = 30.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message.startswith("producer buffer full size"):
+            note = "the stream waits for its table writes to reach Kafka: backpressure, normal under load"
+        elif record.msg.startswith("Timer %s is overlapping") and len(record.args or ()) == 3:
+            runtime = record.args[2]
+            if not isinstance(runtime, (int, float)) or runtime > self.stalled_s:
+                return True
+            note = "it waited for a busy machine; normal under load"
+        else:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = f"{message} ({note})", ()
+        return True
+
+
+def install_log_filters() -> None:
+    """What a newcomer reads in the processors' log: retried coordinator lookups and load notices are not
+    errors."""
     for name in ("aiokafka.consumer.group_coordinator", "aiokafka.producer.sender"):
         logging.getLogger(name).addFilter(_RetriedCoordinatorLookups())
+    for name in ("faust.transport.producer", "mode.timers"):
+        logging.getLogger(name).addFilter(_LoadNotices())
+
+
+def run_worker(config: TopologyConfig, loglevel: str = "info") -> None:
+    """Run the topology in this process until it is stopped (SIGTERM/SIGINT)."""
+    install_log_filters()
     app = build_app(config)
     faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
