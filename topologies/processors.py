@@ -344,7 +344,7 @@ class _LoadNotices(logging.Filter):
         message = record.getMessage()
         if message.startswith("producer buffer full size"):
             note = "the stream waits for its table writes to reach Kafka: backpressure, normal under load"
-        elif record.msg.startswith("Timer %s is overlapping") and len(record.args or ()) == 3:
+        elif str(record.msg).startswith("Timer %s is overlapping") and len(record.args or ()) == 3:
             runtime = record.args[2]
             if not isinstance(runtime, (int, float)) or runtime > self.stalled_s:
                 return True
