@@ -39,6 +39,8 @@ def replay(
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     eps_low: Optional[float] = typer.Option(None, help="Ratio clip 1 - eps_low (default: the loss's own)."),
     eps_high: Optional[float] = typer.Option(None, help="Ratio clip 1 + eps_high (default: the loss's own)."),
+    clip_ratio_c: float = typer.Option(3.0, help="PPO's dual clip (verl's clip_ratio_c): with a negative "
+                                                 "advantage a token's ratio counts at most this much; 0 turns it off."),
     bootstrap_servers: Optional[str] = BootstrapOption,
     as_json: bool = JsonOption,
 ) -> None:
@@ -52,7 +54,8 @@ def replay(
     where = Slice(to_ms(start), to_ms(end), offsets(from_offsets), offsets(to_offsets))
     result = run_replay(ReplaySettings(cfg.bootstrap, model or cfg.model_dir, checkpoint_dir or cfg.checkpoint_dir / run,
                                        run, where, batch_size,
-                                       StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr)),
+                                       StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high),
+                                                  clip_ratio_c=clip_ratio_c or None, lr=lr)),
                         progress=lambda line: typer.echo(line, err=True))
     if as_json:
         typer.echo(json.dumps(result))

@@ -43,6 +43,8 @@ def train(
                                                         "CISPO none, PPO 0.2)."),
     eps_high: Optional[float] = typer.Option(None, help="Ratio clip 1 + eps_high (default: the loss's own: "
                                                          "CISPO 4.0, PPO 0.2)."),
+    clip_ratio_c: float = typer.Option(3.0, help="PPO's dual clip (verl's clip_ratio_c): with a negative "
+                                                 "advantage a token's ratio counts at most this much; 0 turns it off."),
     token_budget: int = typer.Option(16384, help="Most unique tree rows per forward pass."),
     updates_per_batch: int = typer.Option(1, help="Optimizer updates per batch (sample reuse, like PPO's epochs; "
                                                   "the clipped importance ratio weighs the later ones)."),
@@ -79,7 +81,8 @@ def train(
                                   stale_action=stale_action)
     trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
                               checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
-                              step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high), lr=lr,
+                              step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high),
+                                              clip_ratio_c=clip_ratio_c or None, lr=lr,
                                               token_budget=token_budget, updates=updates_per_batch),
                               wait_s=wait_s, from_now=from_now)
     try:

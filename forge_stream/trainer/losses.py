@@ -9,7 +9,11 @@ token). Both losses use token-mean normalisation: the sum over all completion to
 CISPO: `J = (1 / sum_i |o_i|) * sum_i sum_t sg(clip(r_it, 1 - eps_low, 1 + eps_high)) * A_it * log pi(o_it)`,
 with `r = exp(logp - old)`. The clipped weight is detached, so every token keeps a gradient. One-sided by
 default (`eps_low=None`: no lower bound), as in the paper.
-PPO/GRPO: `J = (1 / sum_i |o_i|) * sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`.
+PPO/GRPO: `J = (1 / sum_i |o_i|) * sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`, with the dual
+clip (Ye et al. 2020; verl's `clip_ratio_c`, default 3.0) where A < 0: there the token's term is
+`max(min(r A, clip(r) A), c A)`. Without it a token the policy has made far more likely than it was sampled (r
+large) with a negative advantage weighs r A, without bound; with it a token past r = c adds no gradient, so no
+token's gradient exceeds c |A|.
 The returned loss is `-J` (to minimise). Each loss has its own clip defaults (`LOSS_CLIP`): CISPO (None, 4.0),
 PPO (0.2, 0.2).
 
@@ -41,13 +45,14 @@ class Clip:
 
 
 LOSS_CLIP = {"cispo": Clip(None, 4.0), "ppo": Clip(0.2, 0.2)}
+DUAL_CLIP = 3.0  # PPO's dual clip c (verl's clip_ratio_c)
 
 
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # scalar, -J
     tokens: int  # completion tokens in this call
-    clip_fraction: float  # share of tokens whose ratio hit a clip bound
+    clip_fraction: float  # share of tokens whose ratio hit a clip bound (the dual clip's included)
     ratio_mean: float
     ratio_max: float
     mismatch_mean: float  # mean |logp - old| (train-inference log-prob mismatch)
@@ -114,12 +119,21 @@ def ppo_clip_loss(
     *,
     eps_low: float | None = 0.2,
     eps_high: float = 0.2,
+    clip_ratio_c: float | None = DUAL_CLIP,
     normalizer: int | None = None,
 ) -> LossOutput:
-    """PPO/GRPO clipped surrogate loss (-J); tokens whose clipped term is the minimum get no gradient."""
+    """PPO/GRPO clipped surrogate loss (-J) with the dual clip at `clip_ratio_c` for negative advantages (None: no
+    dual clip); tokens whose clipped term is the minimum, or the dual clip's floor, get no gradient."""
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"the dual clip's ratio must be above 1, not {clip_ratio_c}")
     lp, old, adv = _flatten(logprobs, old_logprobs, advantages)
     ratio = torch.exp(lp - old)
     clipped_ratio = _clip(ratio, eps_low, eps_high)
     objective = torch.minimum(ratio * adv, clipped_ratio * adv)
-    return _output(objective.sum(), ratio.detach(), clipped_ratio.detach() != ratio.detach(),
-                   (lp.detach() - old).abs(), normalizer)
+    clipped = clipped_ratio.detach() != ratio.detach()
+    if clip_ratio_c is not None:
+        floor = clip_ratio_c * adv
+        dual = (adv < 0) & (objective.detach() < floor)
+        objective = torch.where(dual, floor, objective)
+        clipped = clipped | dual
+    return _output(objective.sum(), ratio.detach(), clipped, (lp.detach() - old).abs(), normalizer)

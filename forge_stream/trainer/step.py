@@ -12,9 +12,10 @@ forge_stream.trainer.distributed) each rank trains its share of the trees with t
 the ranks sum their gradients.
 
 `StepConfig.loss` picks the loss and, unless `clip` is given, its own clip bounds (`LOSS_CLIP`: CISPO
-eps_low None / eps_high 4.0, PPO 0.2 / 0.2). Besides the loss, a step reports the train-inference mismatch over
-the tokens it trained (|logp - recorded logp| mean and max, importance ratio mean and max, clip fraction) and
-the mean outcome reward of the batch's rollouts (one value per distinct (group, rollout)).
+eps_low None / eps_high 4.0, PPO 0.2 / 0.2); PPO also applies its dual clip `clip_ratio_c` (3.0; None: off).
+Besides the loss, a step reports the train-inference mismatch over the tokens it trained (|logp - recorded logp|
+mean and max, importance ratio mean and max, clip fraction) and the mean outcome reward of the batch's rollouts
+(one value per distinct (group, rollout)).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Literal, Protocol, Sequence
 
 import torch
 
-from forge_stream.trainer.losses import LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
+from forge_stream.trainer.losses import DUAL_CLIP, LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
 from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs, subtree
 from forge_stream.tree.logprobs import path_logprobs
 
@@ -39,6 +41,7 @@ LossName = Literal["cispo", "ppo"]
 class StepConfig:
     loss: LossName = "cispo"
     clip: Clip | None = None  # None: the loss's own bounds (LOSS_CLIP)
+    clip_ratio_c: float | None = DUAL_CLIP  # PPO's dual clip for negative advantages (None: off); CISPO ignores it
     lr: float = 1e-6
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
@@ -214,7 +217,7 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     batches = micro_batch_plan(samples, config.token_budget)
     if loss_tokens is None:
         loss_tokens = completion_tokens(samples)
-    loss_fn = cispo_loss if config.loss == "cispo" else ppo_clip_loss
+    loss_fn = cispo_loss if config.loss == "cispo" else partial(ppo_clip_loss, clip_ratio_c=config.clip_ratio_c)
     bounds = config.bounds
     total_loss = 0.0
     outs = []

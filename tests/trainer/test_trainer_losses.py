@@ -54,19 +54,49 @@ def test_cispo_is_one_sided_by_default():
     assert leaves[0].grad[2].item() == pytest.approx(-0.8 * ADV[0] / N_TOKENS, rel=1e-12)
 
 
-@pytest.mark.parametrize("eps", [0.2, 0.1])
-def test_ppo_clip_value_and_gradient_match_formula(eps):
+@pytest.mark.parametrize("eps,c", [(0.2, 3.0), (0.1, 3.0), (0.2, 1.01), (0.2, None)])
+def test_ppo_clip_value_and_gradient_match_formula(eps, c):
     leaves = _leaves()
-    out = ppo_clip_loss(leaves, OLD, ADV, eps_low=eps, eps_high=eps)
+    out = ppo_clip_loss(leaves, OLD, ADV, eps_low=eps, eps_high=eps, clip_ratio_c=c)
     out.loss.backward()
-    expected = 0.0
+    expected, clipped = 0.0, 0
     for i, t, n, o, a in _tokens():
         r = math.exp(n - o)
         rc = min(max(r, 1 - eps), 1 + eps)
-        expected -= min(r * a, rc * a) / N_TOKENS
-        grad = -r * a / N_TOKENS if r * a <= rc * a else 0.0
+        term = min(r * a, rc * a)
+        dual = c is not None and a < 0 and term < c * a
+        expected -= (c * a if dual else term) / N_TOKENS
+        clipped += rc != r or dual
+        grad = -r * a / N_TOKENS if r * a <= rc * a and not dual else 0.0
         assert leaves[i].grad[t].item() == pytest.approx(grad, rel=1e-12, abs=1e-15)
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert out.clip_fraction == pytest.approx(clipped / N_TOKENS)
+
+
+def test_ppo_dual_clip_bounds_the_gradient_of_a_negative_advantage():
+    """A < 0 and a ratio far past the clip: the plain clipped surrogate takes r * A (its min), whose gradient grows
+    with r without bound; the dual clip holds the term at c * A, so that token adds no gradient and none exceeds
+    c * |A| / N."""
+    old = [[-8.0, -1.0, -1.0]]
+    new = [[-1.0, -0.9, -1.5]]  # ratios e^7 ~ 1097 (>> 3), e^0.1 (inside the clip), e^-0.5 (< 1 - eps)
+    advantage = [-1.0]
+
+    def grads(**kwargs):
+        leaves = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in new]
+        out = ppo_clip_loss(leaves, old, advantage, **kwargs)
+        out.loss.backward()
+        return leaves[0].grad, out
+
+    unbounded, _ = grads(clip_ratio_c=None)
+    assert unbounded[0].item() == pytest.approx(math.exp(7.0) / 3, rel=1e-12)  # -(r * A) / N: about 366
+    bounded, out = grads()
+    assert bounded[0].item() == 0.0
+    assert bounded[1].item() == pytest.approx(math.exp(0.1) / 3, rel=1e-12)  # the ordinary PPO gradient
+    assert bounded.abs().max().item() <= 3.0 * 1.0 / 3
+    assert out.loss.item() == pytest.approx(-(3.0 * -1.0 + math.exp(0.1) * -1.0 + 0.8 * -1.0) / 3, rel=1e-12)
+    assert out.clip_fraction == pytest.approx(2 / 3)  # the dual-clipped token and the one under 1 - eps
+    with pytest.raises(ValueError, match="above 1"):
+        grads(clip_ratio_c=1.0)
 
 
 def test_per_token_advantages_and_external_normalizer():

@@ -101,6 +101,23 @@ def test_train_step_updates_the_model_and_reports_counts():
     assert stats.mean_reward == pytest.approx(sum(r["reward"] for s in samples for r in s["sequences"]) / 8)
 
 
+def test_the_ppo_step_applies_its_dual_clip():
+    """StepConfig.clip_ratio_c reaches the PPO loss: sequences with negative advantages whose tokens were sampled
+    far less likely than the policy now makes them (ratio >> 3) add no gradient under the dual clip, and an
+    unbounded one without it."""
+    samples = _samples()
+    for ref in (r for s in samples for r in s["sequences"]):
+        ref["old_logprobs"] = [-40.0] * len(ref["old_logprobs"])  # ratios about e^35 or more
+        ref["advantage"] = -abs(ref["advantage"])
+    norms = {}
+    for c in (3.0, None):
+        model = tiny_causal_lm("llama", dtype=torch.float64, seed=8)
+        acc = accumulate_gradients(model, samples, StepConfig(loss="ppo", clip_ratio_c=c))
+        norms[c] = sum(float(p.grad.norm()) ** 2 for p in model.parameters() if p.grad is not None) ** 0.5
+        assert acc["clip_fraction"] == 1.0
+    assert norms[3.0] == 0.0 and norms[None] > 1e10
+
+
 def test_micro_batches_respect_the_budget():
     trees = [pack([[1] * n]) for n in (5, 5, 3, 12, 1)]
     assert micro_batches(trees, 10) == [[0, 1], [2], [3], [4]]
