@@ -57,15 +57,25 @@ def rl_loop(source: BatchSource, trainer: Learner, publish: Publish, steps: int 
 
 
 def progress_line(record: dict, policy_version: int) -> str:
-    """One line per step.
+    """One line per step; a batch reused for several updates also shows how far the last one drifted.
 
-    >>> progress_line({"step": 3, "groups": 8, "loss_name": "cispo", "loss": 0.12345, "outcome_reward": 0.5,
-    ...                "mean_reward": 0.1, "mismatch_mean": 0.00123, "clip_fraction": 0.01, "tree_ratio": 2.5,
-    ...                "staleness_max": 1}, 4)
+    >>> record = {"step": 3, "groups": 8, "loss_name": "cispo", "loss": 0.12345, "outcome_reward": 0.5,
+    ...           "mean_reward": 0.1, "mismatch_mean": 0.00123, "clip_fraction": 0.01, "tree_ratio": 2.5,
+    ...           "staleness_max": 1}
+    >>> progress_line(record, 4)
     'step 3: policy v4, 8 groups, cispo loss 0.1235, outcome 0.500, reward 0.100, mismatch 0.0012, clip 0.010, T/U 2.50, staleness max 1'
+    >>> progress_line({**record, "per_update": [{"ratio_max": 1.0, "clip_fraction": 0.01},
+    ...                                         {"ratio_max": 1.75, "clip_fraction": 0.125}]}, 4)[-59:]
+    'staleness max 1; update 2 of 2: ratio max 1.750, clip 0.125'
     """
-    return (f"step {record['step']}: policy v{policy_version}, {record['groups']} groups, "
+    line = (f"step {record['step']}: policy v{policy_version}, {record['groups']} groups, "
             f"{record['loss_name']} loss {record['loss']:.4f}, outcome {record['outcome_reward']:.3f}, "
             f"reward {record['mean_reward']:.3f}, mismatch {record['mismatch_mean']:.4f}, "
             f"clip {record['clip_fraction']:.3f}, T/U {record['tree_ratio']:.2f}, "
             f"staleness max {record['staleness_max']}")
+    updates = record.get("per_update") or []
+    if len(updates) > 1:
+        last = updates[-1]
+        line += (f"; update {len(updates)} of {len(updates)}: ratio max {last['ratio_max']:.3f}, "
+                 f"clip {last['clip_fraction']:.3f}")
+    return line

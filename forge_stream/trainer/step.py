@@ -15,7 +15,7 @@ the ranks sum their gradients.
 eps_low None / eps_high 4.0, PPO 0.2 / 0.2); PPO also applies its dual clip `clip_ratio_c` (3.0; None: off).
 Besides the loss, a step reports the train-inference mismatch over the tokens it trained (|logp - recorded logp|
 mean and max, importance ratio mean and max, clip fraction) and the mean outcome reward of the batch's rollouts
-(one value per distinct (group, rollout)).
+(one value per distinct (group, rollout)); with several updates per batch, each update's too (`per_update`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def clip_for(loss: LossName, eps_low: float | None = None, eps_high: float | Non
     return Clip(own.low if eps_low is None else eps_low, own.high if eps_high is None else eps_high)
 
 
+UPDATE_STATS = ("loss", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max", "mismatch_mean", "mismatch_max")
+
+
 @dataclass(frozen=True)
 class StepStats:
     loss_name: str
@@ -89,6 +92,7 @@ class StepStats:
     rollouts: int
     staleness_mean: float
     staleness_max: int
+    per_update: list[dict]  # every update's UPDATE_STATS, in order (the fields above are the first update's)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -313,11 +317,8 @@ def train_step(
         raise ValueError("train_step needs at least one sample")
     if config.updates < 1:
         raise ValueError(f"updates must be at least 1, not {config.updates}")
-    first: tuple[dict, float] | None = None
-    for _ in range(config.updates):
-        acc, grad_norm = _update(model, optimizer, samples, config, ranks, progress)
-        first = first or (acc, grad_norm)
-    acc, grad_norm = first
+    updates = [_update(model, optimizer, samples, config, ranks, progress) for _ in range(config.updates)]
+    acc, grad_norm = updates[0]
     total = sum(ref["length"] for s in samples for ref in s["sequences"])
     unique = sum(len(s["token_ids"]) for s in samples)
     rewards = [ref["reward"] for s in samples for ref in s["sequences"]]
@@ -344,4 +345,6 @@ def train_step(
         rollouts=len(outcomes),
         staleness_mean=sum(staleness) / len(staleness),
         staleness_max=max(staleness),
+        per_update=[{key: grad if key == "grad_norm" else update[key] for key in UPDATE_STATS}
+                    for update, grad in updates],
     )

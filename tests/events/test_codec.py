@@ -31,6 +31,7 @@ PINNED = {
     ("forge.events.TrainSample", 2): "df5902a4569ccf150aa4aeaf3c35dc74d774f654cfef04091d23faf28531dac2",
     ("forge.events.TrainStep", 1): "79e57c0dc8e159429f9560b53d98106d817ba3916ce4fad9fc4f4176ed824147",
     ("forge.events.TrainStep", 2): "a07ab1d2490f0c07621610b00434396b7a6c269556a7621dde642330a48ab709",
+    ("forge.events.TrainStep", 3): "72f2ba2d2a2e8d800a34fb9586785333385fd7fd8d874c5fb07db5908f8a09a2",
     ("forge.events.Trajectory", 1): "00e7aa2e07a78a4a4c8b1b4b56189c93e67685f74254c8608f05c5dd00c443a6",
     ("forge.events.Trajectory", 2): "36f0da630d62ac14e0bf15f326e6f66690b67ffde5ba014bdb3cc1dabf9605fe",
 }

@@ -123,6 +123,46 @@ def test_trainer_rejects_samples_it_cannot_train_on(tiny_model_dir, tmp_path, ru
     assert trainer.policy_version == 0 and not list(tmp_path.glob("v*"))
 
 
+def test_a_train_step_reports_every_update_of_its_batch(tiny_model_dir, tmp_path, run_id):
+    """With 3 updates per batch the TrainStep (encoded as Avro and read back) carries each update's loss, grad
+    norm, clip fraction, ratio and mismatch; its own fields stay the first update's. An older TrainStep reads with
+    no updates listed."""
+    from forge_stream.events import decode, default_registry, encode
+    from forge_stream.scheduler.consumer import Batch, step_record
+    from forge_stream.trainer.service import PolicyTrainer, TrainerSettings
+    from forge_stream.trainer.step import StepConfig
+
+    trainer = PolicyTrainer(TrainerSettings(bootstrap="unused:9092", base_model=tiny_model_dir,
+                                            checkpoint_dir=tmp_path,
+                                            scheduler=SchedulerSettings(bootstrap="unused:9092", run=run_id),
+                                            step=StepConfig(lr=3e-2, updates=3)),
+                            resume_version=0)
+    state, sample = None, None
+    for schema, record in group_events(run_id, group_size=3, turns=2):
+        state, emits = fold(state, schema, record, ProcessorSettings())
+        sample = next((e.record for e in emits if e.schema == "TrainSample"), sample)
+    batch = Batch([sample], [0], 0, 0)
+    _, step = decode(encode("TrainStep", step_record(run_id, 0, batch, trainer.step(batch))))
+    updates = step["per_update"]
+    assert len(updates) == 3
+    first = {key: step[key] for key in ("loss", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max",
+                                        "mismatch_mean", "mismatch_max")}
+    assert updates[0] == first
+    assert updates[1]["mismatch_mean"] != first["mismatch_mean"]  # the later updates drift from the sampler
+    assert updates[2]["mismatch_mean"] != updates[1]["mismatch_mean"]
+    old = default_registry().versions["forge.events.TrainStep"][1]
+    assert old.version == 2 and "per_update" not in {f["name"] for f in old.parsed["fields"]}
+    import io
+    import struct
+
+    from fastavro import schemaless_writer
+
+    buf = io.BytesIO()
+    buf.write(struct.pack(">bI", 0, old.id))
+    schemaless_writer(buf, old.parsed, {k: v for k, v in step.items() if k != "per_update"})
+    assert decode(buf.getvalue())[1]["per_update"] == []
+
+
 def test_rotation_keeps_the_newest_attempt_of_the_newest_versions(tmp_path):
     """Version 5 was written three times (steps re-run after crashes): the newest attempt is what a resume loads,
     so rotation drops the superseded attempts before any version, whatever their random suffixes sort like."""

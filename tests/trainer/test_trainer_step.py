@@ -1,5 +1,7 @@
 """The tree-packed training step on decoded TrainSample dicts, checked against separate passes + the formula."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -212,7 +214,8 @@ def test_a_non_finite_gradient_changes_no_weight():
 def test_updates_per_batch_reuse_the_batch_weighed_by_the_importance_ratio():
     """`updates=2` is two optimizer updates on one batch: the same weights as two single-update steps in a row, the
     second of which sees ratios away from 1 (the first moved the policy; the recorded log-probs stay the sampling
-    policy's). The step reports the first update's stats: what was sampled against what trained."""
+    policy's). The step's own stats are the first update's (what was sampled against what trained) and
+    `per_update` reports each update's: the second's drift shows."""
     base = tiny_causal_lm("llama", dtype=torch.float64, seed=8)
     samples = _with_old_logprobs(base, _samples())
     reused, stepped = (tiny_causal_lm("llama", dtype=torch.float64, seed=8) for _ in range(2))
@@ -224,9 +227,13 @@ def test_updates_per_batch_reuse_the_batch_weighed_by_the_importance_ratio():
     second = train_step(stepped, optimizer, samples, one, policy_version=5)
     for a, b in zip(reused.parameters(), stepped.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
-    assert stats == first
+    assert stats == replace(first, per_update=first.per_update + second.per_update)
     assert first.ratio_mean == pytest.approx(1.0) and first.mismatch_max < 1e-9  # on-policy at the first update
     assert second.mismatch_max > 1e-4 and second.ratio_max > 1.0  # the reuse is off-policy, and weighed so
+    assert [u["ratio_max"] for u in stats.per_update] == [first.ratio_max, second.ratio_max]
+    assert [u["mismatch_max"] for u in stats.per_update] == [first.mismatch_max, second.mismatch_max]
+    assert [u["clip_fraction"] for u in stats.per_update] == [first.clip_fraction, second.clip_fraction]
+    assert stats.per_update[1]["grad_norm"] == second.grad_norm and stats.per_update[1]["loss"] == second.loss
     with pytest.raises(ValueError, match="updates must be at least 1"):
         train_step(reused, build_optimizer(reused, one), samples, StepConfig(updates=0), policy_version=5)
 
