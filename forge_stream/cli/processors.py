@@ -23,6 +23,9 @@ def run(
                                                   "group's rollouts; turn: reward-to-go normalized over all turns."),
     advantage_scale: str = typer.Option("none", help="std: divide by the group's std (GRPO); none: only subtract "
                                                     "the group's mean (Dr. GRPO)."),
+    time_reward_weight: float = typer.Option(0.0, help="Weight w of the completion-time reward (faster successful "
+                                                       "rollouts of a group earn up to +w, slower ones down to -w). "
+                                                       "Off by default: wall time on busy cores is mostly noise."),
     rule: list[str] = typer.Option([], help="A process-reward rule PATH=WEIGHT (package.module.function), added to "
                                             "the defaults (invalid_tool_call, tool_error, language_mixing); e.g. "
                                             "forge_stream.processors.rules.tool_result_answers=0.5. Repeatable."),
@@ -48,6 +51,7 @@ def run(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
                                      advantage=advantage, advantage_scale=advantage_scale,
+                                     time_reward_weight=time_reward_weight,
                                      rules=DEFAULT_RULES + tuple(parse_rule(r) for r in rule)),
         tick_s=tick_s, offset_reset=offset_reset, replication_factor=cluster_replication_factor(forge.bootstrap),
         claim_store=claim_store, claim_over_bytes=claim_over_bytes,

@@ -5,10 +5,12 @@ n > 1 request with its shared prefix). Per turn k of a rollout: r_k = process_k 
 (outcome + time), where
 - process_k is the weighted sum of the process rules on that turn plus any grader `process` rewards for it
   (a grader reward whose metadata has `choice_index` targets that choice's completion, else choice 0's);
-- time is the task-completion-time reward of the rollout: among the group's successful rollouts (outcome at
-  least `success_threshold`) with wall times t_i (their session's), time_i = w * (mean(t) - t_i) /
-  (max(t) - min(t)), so faster is better, it sums to zero over them and lies in [-w, w]; unsuccessful
-  rollouts, or fewer than two successful ones with distinct times, get 0;
+- time is the task-completion-time reward of the rollout, off unless the user opts in (`time_reward_weight` w,
+  default 0: wall time on busy shared cores is noise, and in a group whose outcomes are all equal it would be
+  the only signal): among the group's successful rollouts (outcome at least `success_threshold`) with wall
+  times t_i (their session's), time_i = w * (mean(t) - t_i) / (max(t) - min(t)), so faster is better, it sums
+  to zero over them and lies in [-w, w]; unsuccessful rollouts, or fewer than two successful ones with
+  distinct times, get 0;
 - outcome is the sum of the grader outcome rewards of its session that target the whole session or its lane
   (metadata `choice_index`); `missing_outcome_reward` when there is none.
 Advantages (`ProcessorSettings.advantage`):
@@ -95,11 +97,13 @@ def time_rewards(wall_times: dict[str, int | None], outcomes: dict[str, float],
     >>> s = ProcessorSettings(time_reward_weight=0.1)
     >>> time_rewards({"a": 10, "b": 20, "c": 30, "d": 5}, {"a": 1, "b": 1, "c": 1, "d": 0}, s)
     {'a': 0.05, 'b': 0.0, 'c': -0.05, 'd': 0.0}
+    >>> time_rewards({"a": 10, "b": 20}, {"a": 1, "b": 1}, ProcessorSettings())  # off unless opted in
+    {'a': 0.0, 'b': 0.0}
     """
     ok = {sid: t for sid, t in wall_times.items()
           if t is not None and outcomes.get(sid, 0.0) >= settings.success_threshold}
     out = {sid: 0.0 for sid in wall_times}
-    if len(ok) < 2 or max(ok.values()) == min(ok.values()):
+    if not settings.time_reward_weight or len(ok) < 2 or max(ok.values()) == min(ok.values()):
         return out
     mean = sum(ok.values()) / len(ok)
     spread = max(ok.values()) - min(ok.values())

@@ -57,7 +57,9 @@ class ProcessorSettings(BaseModel):
     # "std": divide by the group's std (GRPO); "none": only subtract the group's mean (Dr. GRPO). See rewards.py.
     advantage_scale: AdvantageScale = "none"
     rules: tuple[RuleSpec, ...] = DEFAULT_RULES
-    time_reward_weight: float = 0.1  # the time reward lies in [-weight, +weight]
+    # the time reward lies in [-weight, +weight]; opt-in (0: off): wall time on shared, busy cores is mostly noise,
+    # and in a group whose outcomes are all equal it would be the group's only signal
+    time_reward_weight: float = 0.0
     success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this
     missing_outcome_reward: float = 0.0  # outcome of a session that failed (status != ok) without a grade
     group_timeout_ms: int = 600_000  # a group still open this long after its first event is closed

@@ -65,3 +65,46 @@ def test_advantage_scale_none_keeps_sub_outcome_differences_small():
     assert math.isclose(sum(a[0] for a in mixed_by_mean), 0.0, abs_tol=1e-12)
     turns = advantages([[0.0, 1.0], [0.0, 0.0]], 1.0, "turn", "none")
     assert turns == [[0.5, 0.5], [-0.5, -0.5]]
+
+
+def _sample_advantages(settings: ProcessorSettings) -> list[float]:
+    """The advantages of a synthetic group whose 4 rollouts all succeed in different wall times (no process rules)."""
+    from forge_stream.processors import fold
+    from forge_stream.processors.synthetic import group_events
+
+    state, sample = None, None
+    for schema, record in group_events("g", group_size=4, turns=1):
+        if schema == "Reward":
+            record = {**record, "value": 1.0}
+        state, out = fold(state, schema, record, settings)
+        sample = next((e.record for e in out if e.schema == "TrainSample"), sample)
+    return [ref["advantage"] for ref in sample["sequences"]]
+
+
+def test_the_time_reward_is_opt_in():
+    """Wall time on busy shared cores is noise. By default a group whose outcomes are all equal carries no signal,
+    however its wall times differ, with or without the std division; a user who opts in gets the faster rollouts
+    pushed up."""
+    for scale in ("none", "std"):
+        assert _sample_advantages(ProcessorSettings(rules=(), advantage_scale=scale)) == [0.0] * 4
+    opted = _sample_advantages(ProcessorSettings(rules=(), time_reward_weight=0.1))
+    assert opted[0] > 0 > opted[-1] and abs(sum(opted)) < 1e-9  # rollout 0 was the fastest, rollout 3 the slowest
+    assert ProcessorSettings().time_reward_weight == 0.0
+
+
+def test_the_processors_command_takes_the_time_reward_weight(monkeypatch):
+    import topologies.processors
+    from typer.testing import CliRunner
+
+    from forge_stream.cli import app
+    from forge_stream.cli import processors as command
+    from forge_stream.kafka import admin
+
+    seen = []
+    monkeypatch.setattr(command, "ready_kafka", lambda bootstrap: None)
+    monkeypatch.setattr(admin, "cluster_replication_factor", lambda bootstrap: 1)
+    monkeypatch.setattr(topologies.processors, "run_worker", lambda config, loglevel: seen.append(config.processors))
+    for extra in ([], ["--time-reward-weight", "0.1"]):
+        result = CliRunner().invoke(app, ["processors", "run", "--bootstrap-servers", "127.0.0.1:1", *extra])
+        assert result.exit_code == 0, result.output
+    assert [s.time_reward_weight for s in seen] == [0.0, 0.1]
