@@ -2,7 +2,7 @@
 
 A penalty returns a raw value in [-1, 0] (0 = nothing to penalize), a subgoal reward one in [0, 1]; the settings
 weight scales it. A rule sees one turn: its Completion record, the ToolSpans that turn's tool calls produced, and
-the group's Task (whose `prompt_json` is the task payload the agent and the grader got).
+the group's Task (whose `prompt_json` is the payload the agent got and `reference_json` what only the grader saw).
 
 >>> ctx = TurnContext(completion={"output_text": "hello", "tool_calls_json": None, "tools_json": None}, spans=())
 >>> tool_error(ctx), invalid_tool_call(ctx), language_mixing(ctx)
@@ -28,12 +28,21 @@ class TurnContext:
 
     @property
     def payload(self) -> dict:
-        """The task payload (Task.prompt_json), or {} when there is none or it is not a JSON object."""
-        try:
-            payload = json.loads((self.task or {}).get("prompt_json") or "{}")
-        except ValueError:
-            return {}
-        return payload if isinstance(payload, dict) else {}
+        """The agent's task payload (Task.prompt_json), or {} when there is none or it is not a JSON object."""
+        return _object((self.task or {}).get("prompt_json"))
+
+    @property
+    def reference(self) -> dict:
+        """What only the grader saw (Task.reference_json, e.g. the answer), or {}."""
+        return _object((self.task or {}).get("reference_json"))
+
+
+def _object(text: str | None) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class Rule(Protocol):
@@ -104,12 +113,13 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def tool_result_answers(ctx: TurnContext) -> float:
     """1 when a tool call of this turn returned the task's expected `answer` (a subgoal: what is left is to report
-    it), else 0. For tasks whose payload names an `answer` (the shipped suite's do); a number matches as a number.
+    it), else 0. For tasks whose reference names an `answer` (the shipped suite's do; a Task from before the
+    reference carried it in its payload); a number matches as a number.
 
     It credits the turn that got the answer, not the final copy: reward-to-go (or a rollout's return) then tells a
     rollout that called the tool right but reported it wrong from one that never got there.
 
-    >>> task = {"prompt_json": json.dumps({"question": "What is 347 * 12?", "answer": "4164"})}
+    >>> task = {"prompt_json": json.dumps({"question": "What is 347 * 12?"}), "reference_json": '{"answer": "4164"}'}
     >>> ok = lambda result: TurnContext({}, ({"status": "ok", "result": result},), task)
     >>> tool_result_answers(ok("4164")), tool_result_answers(ok("4165")), tool_result_answers(ok("value: 4164."))
     (1.0, 0.0, 1.0)
@@ -117,8 +127,10 @@ def tool_result_answers(ctx: TurnContext) -> float:
     0.0
     >>> tool_result_answers(TurnContext({}, (), task)), tool_result_answers(ok("4164").__class__({}, (), None))
     (0.0, 0.0)
+    >>> tool_result_answers(ok("4164").__class__({}, ok("4164").spans, {"prompt_json": '{"answer": "4164"}'}))
+    1.0
     """
-    answer = ctx.payload.get("answer")
+    answer = ctx.reference.get("answer", ctx.payload.get("answer"))
     if answer is None or not ctx.spans:
         return 0.0
     answer = str(answer).strip()

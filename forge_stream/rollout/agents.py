@@ -19,7 +19,7 @@ class AgentContext:
     session_id: str
     base_url: str
     api_key: str
-    task: dict  # the Task's prompt payload
+    task: dict  # the Task's prompt payload (never its reference: the answer stays with the grader)
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,8 @@ class RolloutController:
                     "position": str(position)}
         record = {"event_id": ids.event_id, "event_time": now_ms(), "task_id": task.task_id,
                   "group_id": ids.group_id, "seq": self.clock.next(), "domain": task.domain, "grader": task.grader,
-                  "group_size": task.group_size, "prompt_json": json.dumps(task.prompt), "metadata": metadata}
+                  "group_size": task.group_size, "prompt_json": json.dumps(task.prompt), "metadata": metadata,
+                  "reference_json": json.dumps(task.reference)}
         await self.producer.send(TOPICS.tasks, ids.group_id, record)
 
     async def _group(self, task: TaskSpec, cycle: int, position: int, ids: GroupIds, slots: int,

@@ -3,7 +3,8 @@
 Shared by the rollout controller and the evaluator. An episode opens its session right before its agent starts
 and finishes it right after the agent ends (the reward is posted in between), so the gateway's SessionStarted ->
 SessionFinished span measures the agent's own time. Whatever fails (the agent, the grader, a gateway call after its
-retries) fails this episode alone: the session is finished with status "error" and the reason.
+retries) fails this episode alone: the session is finished with status "error" and the reason. The agent gets the
+task's prompt; its reference (the answer) goes to the grader alone.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _grade(task: TaskSpec, result: AgentResult) -> tuple[float, bool, str | None
     if not result.ok:
         return 0.0, False, result.reason
     try:
-        return float(resolve(task.grader)(task.prompt, result.output)), True, None
+        return float(resolve(task.grader)(task.graded, result.output)), True, None
     except Exception as exc:  # the grader's failure is this episode's, reported with its reason
         return 0.0, False, f"grader {task.grader} failed: {type(exc).__name__}: {exc}"
 

@@ -1,6 +1,7 @@
 """Graders: plain functions `grade(task, output) -> float`, named by dotted path on each Task.
 
-`task` is the Task's decoded `prompt_json` payload (it may carry an `answer`); `output` is what the agent printed.
+`task` is the task as the grader sees it: the agent's payload (`TaskSpec.prompt`) with the grader's reference laid
+over it (`TaskSpec.reference`, e.g. the `answer`, which the agent never gets); `output` is what the agent printed.
 
 >>> exact_match({"answer": "42"}, " 42\\n")
 1.0

@@ -3,8 +3,8 @@
 A source is any re-iterable of `TaskSpec`: iterating it again starts it over (the controller's `--loop`).
 `load_task_source` maps the string a user gives on the command line to one:
 
-- a path: a JSONL file, one task a line (`task_id`, `prompt`, and optionally `domain`, `grader`, `group_size`,
-  `metadata`); it is read again each time it is iterated, so edits show up on the next cycle;
+- a path: a JSONL file, one task a line (`task_id`, `prompt`, and optionally `reference`, `domain`, `grader`,
+  `group_size`, `metadata`); it is read again each time it is iterated, so edits show up on the next cycle;
 - `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..]`: the shipped task suite
   (`forge_stream.tasks.suite.iter_tasks`), an endless seeded stream; `mix` is `agent=2,lookup=1`.
 """
@@ -20,17 +20,28 @@ from urllib.parse import parse_qsl, urlsplit
 
 @dataclass(frozen=True)
 class TaskSpec:
+    """One task. The agent gets `prompt` alone (what it needs to act, e.g. {"question": ...}); the grader gets
+    `prompt` with `reference` laid over it (what only the grader may see, e.g. {"answer": ...}), so a black-box
+    agent cannot print the answer it was handed."""
+
     task_id: str
-    prompt: dict  # free-form payload for the agent and grader, e.g. {"question": ..., "answer": ...}
+    prompt: dict  # free-form payload for the agent (and the grader)
     domain: str = "agent"
     grader: str = "exact_match"
     group_size: int = 4
     metadata: dict[str, str] = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)  # for the grader only
+
+    @property
+    def graded(self) -> dict:
+        """The task as its grader sees it: the prompt and the reference."""
+        return {**self.prompt, **self.reference}
 
     @classmethod
     def from_json(cls, raw: dict) -> "TaskSpec":
         return cls(raw["task_id"], raw["prompt"], raw.get("domain", "agent"), raw.get("grader", "exact_match"),
-                   int(raw.get("group_size", 4)), {k: str(v) for k, v in raw.get("metadata", {}).items()})
+                   int(raw.get("group_size", 4)), {k: str(v) for k, v in raw.get("metadata", {}).items()},
+                   dict(raw.get("reference") or {}))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def probe(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] |
     model.eval()
     with torch.no_grad():
         for task in make_tasks("heldout", n, seed=seed, mix=mix, difficulty=difficulty):
-            for k, turn in enumerate(render_turns(tokenizer, demonstration(task.prompt, task.domain))):
+            for k, turn in enumerate(render_turns(tokenizer, demonstration(task.graded, task.domain))):
                 ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
                 logits = model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float()
                 logprobs = torch.log_softmax(logits, -1)

@@ -8,8 +8,9 @@ Three domains, mixed in one run (unified mixed-domain training):
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
   as the `lookup` tool; the model must call it with the right key and copy the value.
 
-Every task payload (`TaskSpec.prompt`) carries what the agent and the grader need: `question`, `answer`, and for
-lookup the `store`. The grader of every family is `numeric` (the last number of the answer must equal `answer`).
+The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
+The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numeric` (the last
+number of the reply must equal the answer).
 
 The split is by construction: an instance belongs to the held-out set when a hash of its canonical form falls in
 the held-out fifth, so the two sets are disjoint whatever the seeds. `iter_tasks` is an endless seeded stream;
@@ -17,9 +18,9 @@ the held-out fifth, so the two sets are disjoint whatever the seeds. `iter_tasks
 
 >>> a = make_tasks("train", 50, seed=1)
 >>> b = make_tasks("heldout", 50, seed=1)
->>> not {canonical(t.prompt) for t in a} & {canonical(t.prompt) for t in b}
+>>> not {canonical(t.graded) for t in a} & {canonical(t.graded) for t in b}
 True
->>> all(split_of(t.prompt) == "heldout" for t in b)
+>>> all(split_of(t.graded) == "heldout" for t in b)
 True
 """
 
@@ -107,12 +108,13 @@ def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, d
     for index in itertools.count():
         domain = rng.choices(names, weights)[0]
         while True:
-            prompt = FAMILIES[domain](rng, difficulty)
-            if split_of(prompt) == split:
+            instance = FAMILIES[domain](rng, difficulty)
+            if split_of(instance) == split:
                 break
-        prompt["max_tokens"] = max_tokens
-        yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt=prompt, domain=domain, grader="numeric",
-                       group_size=group_size, metadata={"difficulty": str(difficulty), "split": split})
+        answer = instance.pop("answer")
+        yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, "max_tokens": max_tokens},
+                       domain=domain, grader="numeric", group_size=group_size,
+                       metadata={"difficulty": str(difficulty), "split": split}, reference={"answer": answer})
 
 
 def make_tasks(split: str, n: int, seed: int = 0, mix: dict[str, float] | None = None, difficulty: int = 1,
@@ -132,5 +134,6 @@ def parse_mix(text: str | None) -> dict[str, float] | None:
 
 
 def to_jsonl(tasks: list[TaskSpec]) -> str:
-    return "".join(json.dumps({"task_id": t.task_id, "prompt": t.prompt, "domain": t.domain, "grader": t.grader,
-                               "group_size": t.group_size, "metadata": t.metadata}) + "\n" for t in tasks)
+    return "".join(json.dumps({"task_id": t.task_id, "prompt": t.prompt, "reference": t.reference, "domain": t.domain,
+                               "grader": t.grader, "group_size": t.group_size, "metadata": t.metadata}) + "\n"
+                   for t in tasks)

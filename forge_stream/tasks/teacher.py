@@ -2,7 +2,8 @@
 
 The conversation is what the example tool agent (examples/agents/tool_agent.py) would exchange with a model that
 always acts right: the same system prompt and tools, a tool call where the domain needs one (arguments as the
-engine's tool-call parser emits them), the tool's result as the agent reports it, and the bare answer.
+engine's tool-call parser emits them), the tool's result as the agent reports it, and the bare answer. The teacher
+reads the task as its grader does (`TaskSpec.graded`: the answer included), which the agent is never given.
 
 >>> conv = demonstration({"question": "What is 12 + 30?", "answer": "42"}, "agent")
 >>> [m["role"] for m in conv]
@@ -23,16 +24,17 @@ def _call(name: str, arguments: dict) -> dict:
         "id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
-def demonstration(prompt: dict, domain: str) -> list[dict]:
-    """The ideal messages for one task: [system, user, (tool call, tool result)?, answer]."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt["question"]}]
+def demonstration(task: dict, domain: str) -> list[dict]:
+    """The ideal messages for one task (as its grader sees it: `question`, `answer`, `store`): [system, user,
+    (tool call, tool result)?, answer]."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
     if domain == "agent":
-        expression = prompt["question"].removeprefix("What is ").removesuffix("?")
+        expression = task["question"].removeprefix("What is ").removesuffix("?")
         messages += [_call("calculator", {"expression": expression}),
-                     {"role": "tool", "tool_call_id": "call_0", "content": prompt["answer"]}]
+                     {"role": "tool", "tool_call_id": "call_0", "content": task["answer"]}]
     elif domain == "lookup":
-        key = prompt["question"].removeprefix("What is stored under ").removesuffix("?")
+        key = task["question"].removeprefix("What is stored under ").removesuffix("?")
         messages += [_call("lookup", {"key": key}),
-                     {"role": "tool", "tool_call_id": "call_0", "content": prompt["store"][key]}]
-    messages.append({"role": "assistant", "content": prompt["answer"]})
+                     {"role": "tool", "tool_call_id": "call_0", "content": task["store"][key]}]
+    messages.append({"role": "assistant", "content": task["answer"]})
     return messages

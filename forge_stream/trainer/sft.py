@@ -64,7 +64,7 @@ def render_turns(tokenizer, messages: list[dict], tools: list[dict] = TOOLS) -> 
 def demonstrations(tokenizer, settings: SftSettings) -> list[list[Turn]]:
     tasks = make_tasks("train", settings.examples, seed=settings.seed, mix=settings.mix,
                        difficulty=settings.difficulty)
-    return [render_turns(tokenizer, demonstration(t.prompt, t.domain)) for t in tasks]
+    return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks]
 
 
 def sft_loss(model: torch.nn.Module, batch: list[list[Turn]]) -> torch.Tensor:

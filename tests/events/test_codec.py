@@ -24,6 +24,7 @@ PINNED = {
     ("forge.events.SessionFinished", 2): "a3eb4710df587592a12e2443446070637e5b170c43acaf6bdd6edf75fee8dae4",
     ("forge.events.SessionStarted", 1): "4d0916489d6066add20536c15ed3b048eee4d988f66cb39acfcc4a1c396f059c",
     ("forge.events.Task", 1): "614b9c7165f22c98b753a948a46c4c6171124e2450e1096744db93dd94b5c90e",
+    ("forge.events.Task", 2): "7740977e0207cd48f991c1ae35479bd97c8bd02d75a0100d504a6fdce06c276e",
     ("forge.events.ToolSpan", 1): "3c71316efb46cca4789376d2f0fe9bec60f14219b8979d7dd1be937c5dabf3cd",
     ("forge.events.ToolSpan", 2): "8b6c89134b91fa95725ae3a5b805055a94216e3d1f47c67450added661d0fde8",
     ("forge.events.SampleClaim", 1): "560ad099f01b51f5382f270219fa5dae85241a814aff55b084e80c9792ad1f73",

@@ -52,7 +52,8 @@ def test_a_tool_call_that_returned_the_answer_earns_its_turn_the_subgoal_reward(
     results = {"g-s0": "42", "g-s1": "41", "g-s2": "it is 42.", "g-s3": "42"}
     for schema, record in events:
         if schema == "Task":
-            record["prompt_json"] = json.dumps({"question": "What is 6 * 7?", "answer": "42"})
+            record["prompt_json"] = json.dumps({"question": "What is 6 * 7?"})
+            record["reference_json"] = json.dumps({"answer": "42"})
         if schema == "ToolSpan":
             record["result"] = results[record["session_id"]]
 

@@ -13,8 +13,8 @@ from forge_stream.tasks.teacher import demonstration
 def test_streams_are_seeded_and_splits_disjoint():
     assert [t.prompt for t in make_tasks("train", 40, seed=3)] == [t.prompt for t in make_tasks("train", 40, seed=3)]
     assert [t.prompt for t in make_tasks("train", 40, seed=3)] != [t.prompt for t in make_tasks("train", 40, seed=4)]
-    train = {canonical(t.prompt) for t in make_tasks("train", 2000, seed=0)}
-    heldout = {canonical(t.prompt) for t in make_tasks("heldout", 500, seed=0)}
+    train = {canonical(t.graded) for t in make_tasks("train", 2000, seed=0)}
+    heldout = {canonical(t.graded) for t in make_tasks("heldout", 500, seed=0)}
     assert train and heldout and not train & heldout
     assert all(split_of(json.loads(c)) == "heldout" for c in heldout)
 
@@ -32,10 +32,10 @@ def test_mixed_domains_follow_the_weights():
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_teacher_solves_every_family_and_the_grader_agrees(domain):
     for task in make_tasks("train", 20, seed=2, mix={domain: 1.0}):
-        conv = demonstration(task.prompt, task.domain)
+        conv = demonstration(task.graded, task.domain)
         grade = resolve(task.grader)
-        assert grade(task.prompt, conv[-1]["content"]) == 1.0
-        assert grade(task.prompt, "I do not know") == 0.0
+        assert grade(task.graded, conv[-1]["content"]) == 1.0
+        assert grade(task.graded, "I do not know") == 0.0
         if domain == "reasoning":
             assert [m["role"] for m in conv] == ["system", "user", "assistant"]
         else:
@@ -43,7 +43,7 @@ def test_teacher_solves_every_family_and_the_grader_agrees(domain):
             assert call["name"] == {"agent": "calculator", "lookup": "lookup"}[domain]
             if domain == "agent":  # the calculator's result is the answer: the tool is the only way
                 expression = json.loads(call["arguments"])["expression"]
-                assert str(eval(expression)) == task.prompt["answer"]  # noqa: S307 - generated arithmetic
+                assert str(eval(expression)) == task.reference["answer"]  # noqa: S307 - generated arithmetic
 
 
 def test_difficulty_widens_the_operands():
@@ -74,13 +74,13 @@ def test_teacher_tool_calls_parse_as_the_engine_parses_them(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for task in make_tasks("train", 12, seed=5):
-        conv = demonstration(task.prompt, task.domain)
+        conv = demonstration(task.graded, task.domain)
         turns = render_turns(tokenizer, conv)
         assert len(turns) == sum(m["role"] == "assistant" for m in conv)
         first = tokenizer.decode(turns[0].completion_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(first)
         if task.domain == "reasoning":
-            assert parsed.content == task.prompt["answer"] and not parsed.tool_calls
+            assert parsed.content == task.reference["answer"] and not parsed.tool_calls
         else:
             assert parsed.tool_calls[0].arguments == conv[2]["tool_calls"][0]["function"]["arguments"]
         assert turns[-1].completion_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -14,7 +14,7 @@ from forge_stream.tree import sequence_logprobs
 def test_loss_is_assistant_token_nll_of_separate_passes(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval().requires_grad_(False)
-    batch = [render_turns(tokenizer, demonstration(t.prompt, t.domain)) for t in make_tasks("train", 6, seed=1)]
+    batch = [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in make_tasks("train", 6, seed=1)]
     nll, count = 0.0, 0
     for demo in batch:
         for turn in demo:
@@ -33,8 +33,8 @@ def test_prompt_tokens_carry_no_loss(tiny_model_dir, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
     task = make_tasks("train", 1, seed=1, mix={"reasoning": 1.0})[0]
-    turns = render_turns(tokenizer, demonstration(task.prompt, task.domain))
-    assert len(turns) == 1 and len(turns[0].completion_ids) == len(tokenizer.encode(task.prompt["answer"])) + 1
+    turns = render_turns(tokenizer, demonstration(task.graded, task.domain))
+    assert len(turns) == 1 and len(turns[0].completion_ids) == len(tokenizer.encode(task.reference["answer"])) + 1
     scored = []
 
     def keep_grads(model, packed):
