@@ -17,7 +17,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +39,14 @@ class Topology:
     options: dict[str, dict] = field(default_factory=dict)
     hosts: dict[str, list[str]] = field(default_factory=dict)  # service -> the hosts it runs on (none: this one)
     bootstrap_servers: str | None = None  # kafka.bootstrap_servers: an external cluster
+
+    def with_engine(self, kind: str) -> "Topology":
+        """This topology with its engine run as `kind` (`up --engine`)."""
+        if kind not in ENGINE_KINDS:
+            raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(ENGINE_KINDS)}")
+        if "engine" not in self.services:
+            raise ValueError(f"topology {self.name} runs no engine")
+        return replace(self, options={**self.options, "engine": {**self.options["engine"], "kind": kind}})
 
     def settings_for(self, settings: ForgeSettings) -> ForgeSettings:
         """The settings with the topology's external cluster, unless --bootstrap-servers named one."""
@@ -129,8 +137,26 @@ def _threads(opts: dict) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(opts["threads"])} if "threads" in opts else {}
 
 
+ENGINE_KINDS = ("torch", "vllm")
+VLLM_OPTIONS = ("served_model_name", "max_model_len", "dtype", "kv_cache_gib", "tool_call_parser", "policy_run")
+
+
 def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    """The rollout engine: `kind: vllm` runs real vLLM behind forge-stream's engine protocol (`engine vllm`, its
+    runtime installed by `up` first), `kind: torch` the local torch engine (`engine serve`)."""
     port = opts.get("port", settings.engine_port)
+    kind = opts.get("kind", "torch")
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"engine: unknown kind {kind!r}; known: {', '.join(ENGINE_KINDS)}")
+    if kind == "vllm":
+        return ServiceSpec.python(
+            "engine", "forge_stream", "engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
+            "--port", str(port), "--bootstrap-servers", settings.bootstrap,
+            "--max-batch-size", str(opts.get("max_batch_size", 64)), *_flags(opts, VLLM_OPTIONS),
+            *(["--host", str(opts["bind"])] if "bind" in opts else []),
+            *(f"--vllm-arg={a}" for a in opts.get("vllm_args", ())),
+            health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",
+            start_timeout_s=float(opts.get("start_timeout_s", 1200)))
     return ServiceSpec.python(
         "engine", "forge_stream.engine", "serve", "--model", str(opts.get("model", settings.model_dir)),
         "--port", str(port), "--bootstrap-servers", settings.bootstrap,
@@ -205,15 +231,6 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python("controller", "forge_stream", *args)
 
 
-def vllm_sync_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
-    """Pushes each new policy version of a run into `vllm serve` workers (forge_stream/engine/vllm_sync.py)."""
-    if not opts.get("workers"):
-        raise ValueError("the vllm_sync service needs `workers`: the base URLs of the vllm serve workers")
-    return ServiceSpec.python(
-        "vllm_sync", "forge_stream", "engine", "vllm-sync", *(a for url in opts["workers"] for a in ("--worker", url)),
-        "--run", str(opts.get("run", "default")), "--bootstrap-servers", settings.bootstrap)
-
-
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
     "engine": engine_service,
@@ -221,7 +238,6 @@ BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "processors": processors_service,
     "trainer": trainer_service,
     "controller": controller_service,
-    "vllm_sync": vllm_sync_service,
 }
 
 
@@ -308,6 +324,10 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     names = [p.spec.name for p in placements]
     if "engine" in names and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)
+    if "engine" in names and topology.options["engine"].get("kind") == "vllm":
+        from forge_stream.engine.vllm_runtime import ensure_runtime
+
+        ensure_runtime(settings.cache_dir, echo=echo)
     supervisor = Supervisor(settings.run_dir)
     started = {}
     for placement in placements:

@@ -48,6 +48,7 @@ class ServiceSpec:
     health_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # what to print for people
+    start_timeout_s: float = 120.0  # how long `up` waits for it to be healthy
 
     @classmethod
     def python(cls, name: str, module: str, *args: str, **kw) -> "ServiceSpec":
@@ -166,8 +167,10 @@ class Supervisor:
             self.write_pid(daemon.pid)
             return daemon.pid
 
-    def start(self, spec: ServiceSpec, timeout: float = 120.0) -> dict:
-        """Have the supervisor run `spec` (unless it already runs) and wait until it is healthy."""
+    def start(self, spec: ServiceSpec, timeout: float | None = None) -> dict:
+        """Have the supervisor run `spec` (unless it already runs) and wait until it is healthy (at most `timeout`,
+        by default the spec's `start_timeout_s`)."""
+        timeout = spec.start_timeout_s if timeout is None else timeout
         with self.locked() as state:
             current = state.get(spec.name)
             running = bool(current) and _alive(current.get("pid"))
@@ -241,7 +244,7 @@ class Supervisor:
         return [name for name in reversed(names) if self.stop(name)]
 
     def status(self) -> dict:
-        """Per service: state (running, unhealthy, restarting, crash-looping, dead), pid, restarts, last exit."""
+        """Per service: state (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts, last exit."""
         supervised = self.daemon_pid() is not None
         now = time.time()
         out = {}
@@ -254,16 +257,26 @@ class Supervisor:
             elif running:
                 state = "running"
                 if entry.get("health_url"):
-                    try:
-                        if httpx.get(entry["health_url"], timeout=2).status_code >= 500:
-                            state = "unhealthy"
-                    except httpx.HTTPError:
-                        state = "unhealthy"
+                    state = _health_state(entry["health_url"])
             else:
                 state = "restarting" if supervised else "dead"
             out[name] = {**entry, "state": state, "running": running, "healthy": state == "running",
                          "supervised": supervised}
         return out
+
+
+def _health_state(url: str) -> str:
+    """running, or starting (a 503 whose body says so: vLLM's start-up), or unhealthy."""
+    try:
+        response = httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return "unhealthy"
+    if response.status_code < 500:
+        return "running"
+    try:
+        return "starting" if response.json().get("status") == "starting" else "unhealthy"
+    except ValueError:
+        return "unhealthy"
 
 
 # a service writes to a log file: no progress bars there (transformers drew one per checkpoint saved or loaded)

@@ -7,14 +7,12 @@ ports with its own data directory, so a bare `pytest` works too.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAKE_VLLM, TOOL_REPLY, fake_vllm
 from transformers import AutoModelForCausalLM
 
 from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
@@ -65,19 +63,3 @@ def tiny_model_dir_v1(tmp_path_factory) -> Path:
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="session")
-def fake_vllm_url(tiny_model_dir):
-    """A fake vLLM server replying "Hello there, agent." then the tool-call reply, alternately."""
-    with fake_vllm(tiny_model_dir, "--reply", "Hello there, agent.", "--reply", TOOL_REPLY) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def fake_vllm_module():
-    """The fake server's module (for its `fake_logprob` rule), loaded from its file."""
-    spec = importlib.util.spec_from_file_location("fake_vllm_server", FAKE_VLLM)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

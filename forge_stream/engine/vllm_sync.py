@@ -1,51 +1,40 @@
-"""Push each new policy version of one training run into running `vllm serve` workers.
+"""Move one running vLLM server (0.32.0, VLLM_SERVER_DEV_MODE=1) to a new policy version, and prove it took.
 
-`forge-stream engine vllm-sync` follows `forge.policy` (key = training run, `newest()` from policy_watch) and, for
-each newer PolicyVersion, updates every configured worker in order with this plan of HTTP calls (`update_plan`,
-pure; `VllmWorkerClient` runs it with httpx):
+The plan, measured against the real server (`tests/vllm/test_weight_sync.py`):
 
-    GET  /is_sleeping                          -> {"is_sleeping": false}, else the worker is skipped this try
-    POST /pause?mode=wait                      in-flight requests finish on the old weights
-    POST /collective_rpc {"method": "update_config", "args": [{"model_config": {"model": DIR}}]}
-    POST /collective_rpc {"method": "reload_weights"}      every worker process reloads from DIR in place
-    POST /update_weight_version {"new_version": "V"}       `GET /weight_info` then reports V
-    POST /reset_prefix_cache?reset_external=true           drops the GPU prefix cache and the LMCache tier
+    GET  /is_sleeping                    -> {"is_sleeping": false}: reloading a sleeping engine crashes it (vllm #57853)
+    POST /pause?mode=wait                requests in flight finish on the old weights; new ones wait in vLLM's queue
+    POST /collective_rpc {"method": "forge_reload_weights", "kwargs": {"weights_path": DIR}}
+                                         every worker reloads in place from DIR (an HF directory, same architecture):
+                                         vLLM's `reload_weights`, then on CPUs the tied LM head's packed weights
+                                         packed again (forge_stream/engine/vllm_ext/forge_worker.py)
+    POST /weight_checker {"action": "checksum"}
+                                         the proof: sha256 of every parameter as the workers now hold it
+    POST /update_weight_version {"new_version": "V"}      only once the proof holds: `GET /weight_info` says V
+    POST /reset_prefix_cache[?reset_external=true]        no KV computed by the old weights is reused (and LMCache's)
     POST /resume
 
-The checkpoint directory is the PolicyVersion's `checkpoint_uri`, read by the workers on a shared filesystem.
-A failed try is retried with exponential backoff; a try that fails after the pause resumes the worker before
-the next one, so a worker that never succeeds keeps serving the old version (the gateway records the served
-`policy_version` per completion anyway) and is reported in the `SyncReport`.
+What does not work on the real server (and the plan therefore avoids): `collective_rpc update_config` with
+{"model_config": {"model": DIR}} answers 500 (`Field '_hf_config_revision' not found in ModelConfig`), and a bare
+`reload_weights` reloads the weights the server started with; `update_weight_version` succeeds either way, which
+is why a version is set only after the proof.
 
-What the calls are, and why this path (pinned: vllm==0.32.0, served with VLLM_SERVER_DEV_MODE=1):
-- vllm-project/vllm `vllm/entrypoints/serve/dev/rlhf/api_router.py`: `/pause` (query `mode` abort|wait|keep),
-  `/resume`, `/is_paused`, `/init_weight_transfer_engine` {"init_info"}, `/start_weight_update`,
-  `/update_weights` {"update_info"}, `/finish_weight_update` {"weight_version"}, `/update_weight_version`
-  {"new_version"}, `/weight_info` -> {"weight_version"}.
-- The released weight-transfer backends (`vllm/distributed/weight_transfer/factory.py`: nccl, ipc, sparse_nccl)
-  move tensors from a trainer process that holds them on a GPU; none reads a checkpoint directory. The
-  shared-disk backend that would (`vllm/distributed/weight_transfer/disk_engine.py`, update_info {"path"}) is
-  vllm PR #52152, open and unreleased. So the weights go through the dev `/collective_rpc` route
-  (`vllm/entrypoints/serve/dev/rpc/api_router.py`: body {"method", "args", "kwargs", "timeout"}) calling the
-  GPU worker's `update_config` then `reload_weights` (the model runner reloads from `model_config.model`),
-  and the version is set with `/update_weight_version` instead of `finish_weight_update`.
-- `/is_sleeping`, `/sleep`, `/wake_up`: `vllm/entrypoints/serve/dev/sleep/api_router.py`; reloading a
-  sleeping engine crashes it (vllm #57853), hence the check first.
-- `/reset_prefix_cache?reset_external=true` (`vllm/entrypoints/serve/dev/cache/api_router.py`) also resets
-  the connector-managed cache, i.e. LMCache, so no KV computed by the old weights is reused.
+The proof compares vLLM's checksums with the checkpoint's: sha256 over the bytes of each tensor, cast to the
+served dtype, for every parameter with the same name in both (vLLM fuses q/k/v and gate/up into one parameter
+each, and on CPUs repacks linear weights into its kernels' layout, reported as an empty tensor; embeddings, norms
+and biases keep the checkpoint's names and bytes). At least one must match and none may differ; the fused ones
+that can be read must have changed since the previous version if the others did. forge_stream.engine.vllm_engine
+adds a second proof once vLLM serves again behind its closed gate: prompt log-probs of a probe sequence.
 """
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
-
-from forge_stream.engine.policy_watch import newest
-from forge_stream.kafka.follow import Follower
-from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
 
@@ -61,126 +50,151 @@ class Call:
     expect: dict | None = None
 
 
-@dataclass(frozen=True)
-class SyncSettings:
-    workers: tuple[str, ...]
-    run: str = "default"
-    attempts: int = 3
-    backoff_s: float = 0.5
-    timeout_s: float = 600.0
-    poll_ms: int = 500
-    initial_version: int = 0
-
-
-@dataclass
-class SyncReport:
-    version: int
-    checkpoint: str
-    updated: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-
-
 class WorkerError(RuntimeError):
-    """A step of the plan failed on one worker."""
+    """A step of the plan failed on the vLLM server, or its proof did not hold."""
 
 
-def update_plan(checkpoint_dir: str, version: int) -> list[Call]:
-    """The HTTP calls that move one worker to `version`, loaded from `checkpoint_dir`."""
+def load_plan(checkpoint_dir: str) -> list[Call]:
+    """The calls that load `checkpoint_dir` into a server that serves nothing meanwhile."""
     return [
         Call("GET", "/is_sleeping", expect={"is_sleeping": False}),
         Call("POST", "/pause", params={"mode": "wait"}),
-        Call("POST", "/collective_rpc",
-             body={"method": "update_config", "args": [{"model_config": {"model": checkpoint_dir}}]}),
-        Call("POST", "/collective_rpc", body={"method": "reload_weights"}),
+        Call("POST", "/collective_rpc", body={"method": "forge_reload_weights", "kwargs": {"weights_path": checkpoint_dir}}),
+    ]
+
+
+def announce_plan(version: int, reset_external: bool = False) -> list[Call]:
+    """The calls that, once the new weights are proven, name their version, drop stale KV and serve again."""
+    return [
         Call("POST", "/update_weight_version", body={"new_version": str(version)}),
-        Call("POST", "/reset_prefix_cache", params={"reset_external": "true"}),
+        Call("POST", "/reset_prefix_cache", params={"reset_external": "true"} if reset_external else {}),
         Call("POST", "/resume"),
     ]
 
 
-def backoff_delays(attempts: int, base_s: float) -> list[float]:
-    """Seconds to wait before each retry: base, 2 base, 4 base, ... (attempts - 1 of them)."""
-    return [base_s * 2 ** i for i in range(attempts - 1)]
+EMPTY = hashlib.sha256(b"").hexdigest()  # what vLLM reports for a weight repacked into a kernel's own layout
 
 
-class VllmWorkerClient:
-    """Runs update plans against one worker over HTTP."""
+def comparable(checksums: dict[str, str]) -> dict[str, str]:
+    """vLLM's checksums ("dp0:pp0:pcp0:tp0:NAME": digest) by parameter name, keeping those every rank holds whole
+    (the same digest on all ranks) and not repacked (an empty tensor's digest)."""
+    by_name: dict[str, set[str]] = {}
+    for key, digest in checksums.items():
+        by_name.setdefault(key.rsplit(":", 1)[-1], set()).add(digest)
+    return {name: next(iter(d)) for name, d in by_name.items() if len(d) == 1 and EMPTY not in d}
 
-    def __init__(self, url: str, client: httpx.AsyncClient):
+
+VOCAB_PADDING = 64  # vLLM pads embedding and LM-head rows to a multiple of this, with zeros
+
+
+def _sha256(tensor) -> str:
+    import torch
+
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def checkpoint_digests(checkpoint_dir: str | Path, names: set[str], dtype: str) -> dict[str, tuple[str, ...]]:
+    """For each tensor named in `names` in the checkpoint's safetensors files, cast to `dtype`: the sha256 vLLM
+    reports when it holds that tensor as it is, or (a vocabulary-sized one) padded with zero rows."""
+    import torch
+    from safetensors import safe_open
+
+    torch_dtype = getattr(torch, dtype)
+    out = {}
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise WorkerError(f"{checkpoint_dir} holds no *.safetensors file to check the served weights against")
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                if key not in names:
+                    continue
+                tensor = f.get_tensor(key).to(torch_dtype)
+                digests = [_sha256(tensor)]
+                rows = -(-tensor.shape[0] // VOCAB_PADDING) * VOCAB_PADDING if tensor.dim() else 0
+                if tensor.dim() == 2 and rows != tensor.shape[0]:
+                    digests.append(_sha256(torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0],
+                                                                               tensor.shape[1])])))
+                out[key] = tuple(digests)
+    return out
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the checksum comparison found: parameters equal to the checkpoint's, and those vLLM holds fused."""
+
+    matched: int
+    fused_changed: int
+    fused: int
+
+
+def prove(served: dict[str, str], expected: dict[str, tuple[str, ...]], previous: dict[str, str] | None) -> Proof:
+    """Check the served checksums against the checkpoint's (see the module docstring); raise WorkerError if they
+    do not prove the checkpoint is what the server holds."""
+    shared = expected.keys() & served.keys()
+    differ = sorted(k for k in shared if served[k] not in expected[k])
+    if differ:
+        raise WorkerError(f"the server's weights differ from the checkpoint's in {len(differ)} of {len(shared)} "
+                          f"parameters (first: {differ[0]}): the reload did not load it")
+    if not shared:
+        raise WorkerError("no parameter of the server has the checkpoint's name: cannot prove the reload")
+    fused = sorted(served.keys() - expected.keys())
+    changed = sum(previous is not None and previous.get(k) != served[k] for k in fused)
+    if previous is not None and fused and not changed and any(previous.get(k) != served[k] for k in shared):
+        raise WorkerError(f"none of the {len(fused)} fused parameters changed while the others did: the reload "
+                          "was partial")
+    return Proof(len(shared), changed, len(fused))
+
+
+class VllmControl:
+    """Drives one vLLM server's control routes over HTTP (its base URL, without /v1)."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient, dtype: str = "float32", reset_external: bool = False):
         self.url = url.rstrip("/")
         self.client = client
+        self.dtype = dtype
+        self.reset_external = reset_external
+        self.served: dict[str, str] | None = None  # checksums after the last proven load
 
-    async def call(self, step: Call) -> None:
+    async def call(self, step: Call):
         response = await self.client.request(step.method, self.url + step.path, params=step.params or None,
                                              json=step.body)
         if response.status_code != 200:
-            raise WorkerError(f"{step.method} {step.path}: HTTP {response.status_code} {response.text[:200]}")
-        if step.expect is not None:
-            got = response.json()
-            if any(got.get(k) != v for k, v in step.expect.items()):
-                raise WorkerError(f"{step.method} {step.path}: expected {step.expect}, got {got}")
+            raise WorkerError(f"{step.method} {step.path}: HTTP {response.status_code} {response.text[:300]}")
+        got = response.json()
+        if step.expect is not None and any(got.get(k) != v for k, v in step.expect.items()):
+            raise WorkerError(f"{step.method} {step.path}: expected {step.expect}, got {got}")
+        return got
 
-    async def apply(self, plan: list[Call]) -> None:
-        """Run `plan`; if it fails after pausing, resume the worker (best effort) and re-raise."""
+    async def checksums(self) -> dict[str, str]:
+        """The served weights' checksums that can be compared with a checkpoint's (see `comparable`)."""
+        return comparable((await self.call(Call("POST", "/weight_checker", body={"action": "checksum"})))["checksums"])
+
+    async def load(self, checkpoint_dir: str, version: int) -> Proof:
+        """Pause, reload from `checkpoint_dir`, prove it, announce `version`, resume. On any failure the server
+        is resumed (best effort) still announcing its previous version, and WorkerError is raised."""
+        if self.served is None:
+            self.served = await self.checksums()
         paused = False
         try:
-            for step in plan:
+            for step in load_plan(checkpoint_dir):
                 await self.call(step)
                 paused = paused or step.path == "/pause"
-        except (WorkerError, httpx.HTTPError):
+            served = await self.checksums()
+            expected = checkpoint_digests(checkpoint_dir, set(served), self.dtype)
+            proof = prove(served, expected, self.served)
+            for step in announce_plan(version, self.reset_external):
+                await self.call(step)
+            paused = False
+        except (WorkerError, httpx.HTTPError, OSError):
             if paused:
                 try:
                     await self.call(Call("POST", "/resume"))
                 except (WorkerError, httpx.HTTPError) as exc:
                     log.warning("%s: resume after a failed update failed too: %s", self.url, exc)
             raise
+        self.served = served
+        return proof
 
-
-async def update_worker(worker: VllmWorkerClient, plan: list[Call], settings: SyncSettings) -> None:
-    """Apply `plan`, retrying the whole plan with backoff; raises the last error."""
-    delays = backoff_delays(settings.attempts, settings.backoff_s)
-    for attempt in range(settings.attempts):
-        try:
-            await worker.apply(plan)
-            return
-        except (WorkerError, httpx.HTTPError) as exc:
-            if attempt == settings.attempts - 1:
-                raise
-            log.warning("%s: update try %d failed (%s); retrying in %.1fs", worker.url, attempt + 1, exc,
-                        delays[attempt])
-            await asyncio.sleep(delays[attempt])
-
-
-async def sync_version(workers: list[VllmWorkerClient], target: dict, settings: SyncSettings) -> SyncReport:
-    """Move every worker, one after the other, to the PolicyVersion `target`."""
-    report = SyncReport(target["version"], target["checkpoint_uri"])
-    plan = update_plan(target["checkpoint_uri"], target["version"])
-    for worker in workers:
-        try:
-            await update_worker(worker, plan, settings)
-            report.updated.append(worker.url)
-        except (WorkerError, httpx.HTTPError) as exc:
-            report.failed[worker.url] = str(exc)
-            log.error("%s: keeps serving its old weights; version %s failed: %s", worker.url,
-                      target["version"], exc)
-    log.info("policy version %s: updated %s, failed %s", report.version, report.updated, list(report.failed))
-    return report
-
-
-async def follow_policy(bootstrap: str, settings: SyncSettings, on_report=None) -> None:
-    """Run until cancelled (waiting for Kafka first if it does not answer). The history up to the end offsets at
-    start is read first and only its newest version is applied; afterwards each batch's newest version is.
-    `on_report(SyncReport)` sees each sync."""
-    current, current_path = settings.initial_version, None
-    async with Follower(bootstrap, TOPICS.policy, settings.run, settings.poll_ms) as policy, \
-            httpx.AsyncClient(timeout=settings.timeout_s) as client:
-        workers = [VllmWorkerClient(url, client) for url in settings.workers]
-        pending = await policy.backlog()
-        while True:
-            target = newest(pending, current, current_path)
-            if target is not None:
-                report = await sync_version(workers, target, settings)
-                current, current_path = target["version"], target["checkpoint_uri"]
-                if on_report is not None:
-                    on_report(report)
-            pending = await policy.next()
+    async def version(self) -> str:
+        return (await self.call(Call("GET", "/weight_info")))["weight_version"]

@@ -1,5 +1,5 @@
 """Follow one topic from its beginning without a consumer group, in an asyncio service (aiokafka): how every
-engine replica (forge_stream.engine.policy_watch) and the vLLM weight sync (forge_stream.engine.vllm_sync) read
+engine replica (forge_stream.engine.policy_watch) and every vLLM engine (forge_stream.engine.vllm_engine) read
 forge.policy, so that each of them sees every record.
 
 `Follower` starts once Kafka answers, retrying while it does not (the caller serves on meanwhile). It hands over

@@ -39,7 +39,7 @@ def test_every_flag_a_topology_passes_is_taken_by_its_command(name):
             continue
         command = _command(argv)
         flags = {opt for param in command.params for opt in param.opts}
-        passed = {word for word in argv if word.startswith("--")}
+        passed = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
         assert passed <= flags, f"{name}/{placement.spec.name}: {sorted(passed - flags)} not taken by the command"
 
 
@@ -49,8 +49,15 @@ def test_the_cluster_topology_places_each_service_on_its_hosts():
     local = ForgeSettings()  # no --bootstrap-servers: the topology's cluster is used, not an embedded broker
     assert plan(local, topology, None) == []  # every service of a cluster is placed on a host
     by_host = {h: [p.spec for p in plan(local, topology, h)]
-               for h in ("ctl-0", "gw-0", "gw-1", "proc-0", "proc-1", "train-0", "train-1")}
-    assert [s.name for s in by_host["ctl-0"]] == ["registry", "vllm_sync", "controller"]
+               for h in ("ctl-0", "gw-0", "gw-1", "gpu-0", "gpu-3", "proc-0", "proc-1", "train-0", "train-1")}
+    assert [s.name for s in by_host["ctl-0"]] == ["registry", "controller"]
+    for host in ("gpu-0", "gpu-3"):  # real vLLM behind the engine protocol, following run main, LMCache on
+        (engine,) = by_host[host]
+        option = dict(zip(engine.argv, engine.argv[1:]))
+        assert engine.argv[3:5] == ["engine", "vllm"] and engine.start_timeout_s >= 600
+        assert (option["--host"], option["--policy-run"], option["--dtype"]) == ("0.0.0.0", "main", "bfloat16")
+        assert any(a.startswith("--vllm-arg=--kv-transfer-config=") and "LMCacheConnectorV1" in a
+                   for a in engine.argv)
     assert all([s.name for s in by_host[h]] == ["gateway"] for h in ("gw-0", "gw-1"))
     assert all([s.name for s in by_host[h]] == ["processors"] for h in ("proc-0", "proc-1"))
     for rank, host in enumerate(("train-0", "train-1")):
@@ -76,7 +83,8 @@ def test_up_dry_run_prints_what_runs_where_and_starts_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["kafka"] == "kafka-0:9092,kafka-1:9092,kafka-2:9092"
-    assert sorted(result["hosts"]) == ["ctl-0", "gw-0", "gw-1", "proc-0", "proc-1", "train-0", "train-1"]
+    assert sorted(result["hosts"]) == ["ctl-0", "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gw-0", "gw-1", "proc-0", "proc-1",
+                                       "train-0", "train-1"]
     assert "--node-rank 1" in result["hosts"]["train-1"][0]["command"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "kafka").exists()  # nothing started
     text = subprocess.run([sys.executable, "-m", "forge_stream", "up", "local", "--dry-run"], capture_output=True,

@@ -1,8 +1,7 @@
-"""The official `openai` SDK, unmodified, drives the gateway in front of the local engine (tiny model) and in front
-of the fake `vllm serve`; the Completion events read back from the real broker hold exactly the engine's tokens."""
+"""The official `openai` SDK, unmodified, drives the gateway in front of the local engine (tiny model); the Completion
+events read back from the real broker hold exactly the engine's tokens. (In front of real vLLM: tests/vllm/.)"""
 
 
-import httpx
 import jsonschema
 import openai
 import orjson
@@ -14,10 +13,8 @@ from forge_stream.engine.process import EngineProcess
 from forge_stream.engine.tool_calls import parse_tool_calls
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.history import read_completions
-from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import TOOL_REPLY
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
@@ -38,16 +35,6 @@ def engine_gateway(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
     with EngineProcess(str(tiny_model_dir), log_path=log) as engine, \
             serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as gateway:
         yield gateway
-
-
-@pytest.fixture(scope="module")
-def vllm_gateway(fake_vllm_url, kafka_bootstrap):
-    from helpers import serving
-    from forge_stream.gateway.app import create_app
-
-    settings = GatewaySettings(engines=(fake_vllm_url,), bootstrap=kafka_bootstrap, default_policy_version=3)
-    with serving(create_app(settings)) as gateway:
-        yield gateway, fake_vllm_url
 
 
 def _client(session) -> OpenAI:
@@ -121,37 +108,6 @@ def test_rewritten_history_is_recorded_with_the_exact_prompt_of_each_turn(kafka_
     assert records[2]["prompt_token_ids"][:len(records[0]["prompt_token_ids"])] != records[0]["prompt_token_ids"]
 
 
-def test_sdk_through_the_gateway_to_fake_vllm(kafka_bootstrap, vllm_gateway, tokenizer, run_id):
-    gateway, vllm = vllm_gateway
-    session = open_session(gateway, run_id)
-    client = _client(session)
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
-    second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
-    replies = {"Hello there, agent.", TOOL_REPLY}
-    call = next((c.message.tool_calls for r in (first, second) for c in r.choices if c.message.tool_calls), None)
-    assert call is not None and call[0].function.name == "get_weather"
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny", messages=messages, stream=True) if c.choices)
-    assert streamed in replies
-
-    forwarded = httpx.get(f"{vllm}/fake/requests").json()[-3:]
-    assert all(r["return_token_ids"] is True and r["logprobs"] is True for r in forwarded)
-    records = _records(kafka_bootstrap, session["session_id"])
-    assert len(records) == 3
-    eos = tokenizer.eos_token_id
-    for record, tools in zip(records, (TOOLS, TOOLS, None)):
-        assert record["trainable"] and record["policy_version"] == 3
-        assert record["prompt_token_ids"] == tokenizer.encode(_template(tokenizer, messages, tools),
-                                                              add_special_tokens=False)
-        ids = record["completion_token_ids"]
-        assert ids[-1] == eos and tokenizer.decode(ids, skip_special_tokens=True) in replies
-        assert all(abs(lp + 0.05 + 0.01 * (t % 97)) < 1e-6 for lp, t in zip(record["completion_logprobs"], ids))
-    tool_record = next(r for r in records if r["tool_calls_json"])
-    assert tool_record["finish_reason"] == "tool_calls"
-    assert orjson.loads(tool_record["tool_calls_json"])[0]["function"]["name"] == "get_weather"
-
-
 def test_a_full_context_is_answered_as_openai_and_vllm_do(kafka_bootstrap, engine_gateway, run_id):
     """Prompt plus max_tokens past the tiny model's 2048 positions: 400 context_length_exceeded, vLLM's words."""
     session = open_session(engine_gateway, run_id)
@@ -208,13 +164,3 @@ def test_sdk_tool_choice_and_response_format_are_enforced_through_the_gateway(ka
     assert [(c.name, c.arguments) for c in called.tool_calls] == [(call.function.name, call.function.arguments)]
     assert tokenizer.decode(records[1]["completion_token_ids"], skip_special_tokens=True) == \
         shaped.choices[0].message.content
-
-
-def test_tool_choice_and_response_format_are_forwarded_to_vllm_as_sent(vllm_gateway, run_id):
-    gateway, vllm = vllm_gateway
-    client = _client(open_session(gateway, run_id))
-    sent = {"tool_choice": "required", "parallel_tool_calls": False,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}}
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, **sent)
-    forwarded = httpx.get(f"{vllm}/fake/requests").json()[-1]
-    assert {k: forwarded[k] for k in sent} == sent

@@ -1,0 +1,387 @@
+"""`forge-stream engine vllm`: real vLLM as a forge-stream rollout engine.
+
+One process per vLLM server. It starts `vllm.entrypoints.openai.api_server` from the vLLM runtime
+(forge_stream.engine.vllm_runtime) on a private loopback port, with dev control routes on, and serves in front of
+it the engine protocol the gateway speaks to the torch engine: `/v1/chat/completions`, `/v1/completions`,
+`/v1/models`, `/health`. What it adds to vLLM's answers, and why it sits in front:
+
+- **The policy version that produced each answer.** vLLM's OpenAI responses carry no weight version, so the front
+  adds `policy_version` to every response and stream chunk. The version is exact: a `VersionGate` lets requests
+  through only while no update runs, and an update starts only once the requests in flight have ended.
+- **Weights follow the trainer.** It follows forge.policy (every version of one run, as the torch engine does),
+  loads each newer checkpoint with the plan of forge_stream.engine.vllm_sync and proves it twice before the gate
+  opens under the new version: vLLM's weight checksums against the checkpoint's, then vLLM's prompt log-probs of
+  a probe sequence against the checkpoint's own (transformers, computed before the pause). A version that cannot
+  be proven is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
+  its supervisor starts it afresh.
+- **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
+- **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from forge_stream.engine.policy_watch import newest
+from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
+from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+from forge_stream.kafka.follow import Follower
+from forge_stream.topics import TOPICS
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 48  # prompt positions whose log-probs prove a reload
+PROBE_TOLERANCE = 1e-3  # nats: fp32 CPU kernels agree with transformers to about 1e-5
+
+
+@dataclass(frozen=True)
+class VllmEngineSettings:
+    model: str
+    runtime: VllmRuntime
+    cache_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8100
+    vllm_port: int = 0  # vLLM's private port on 127.0.0.1
+    served_model_name: str | None = None
+    policy_version: int = 0
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    kv_cache_gib: int = 2
+    tool_call_parser: str = "hermes"
+    probe: bool = True
+    start_timeout_s: float = 900.0
+    extra_args: tuple[str, ...] = ()
+    bootstrap: str | None = None
+    policy_run: str = "default"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def kv_connector(self) -> bool:
+        """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
+        return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
+
+    def vllm_argv(self) -> list[str]:
+        argv = [str(self.runtime.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.vllm_port),
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+                "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
+                "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+                "--worker-extension-cls", "forge_worker.ForgeWorkerExtension"]
+        if self.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        return argv + list(self.extra_args)
+
+
+class VersionGate:
+    """Requests pass while the gate is open, each under the version then served; `close` waits until the requests
+    in flight have ended and holds new ones until `reopen(version)`."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.in_flight = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def enter(self) -> int:
+        while not self._open.is_set():
+            await self._open.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        return self.version
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def close(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self, version: int) -> None:
+        self.version = version
+        self._open.set()
+
+
+def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
+    """A fixed token sequence spread over the vocabulary (the same for every version)."""
+    return [(17 + 7919 * i) % vocab_size for i in range(n)]
+
+
+def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 under the checkpoint in `model_dir`, with transformers on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+@dataclass
+class EngineState:
+    settings: VllmEngineSettings
+    gate: VersionGate
+    http: aiohttp.ClientSession | None = None
+    control: VllmControl | None = None
+    checkpoint: str = ""
+    ready: bool = False
+    loads: int = 0
+    failed_loads: int = 0
+    last_mismatch: float | None = None
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.vllm_port}"
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)
+
+
+async def _relay(request: Request, path: str) -> Response:
+    state: EngineState = request.app.state.engine
+    if not state.ready:
+        return _error(503, "vLLM is still starting; retry shortly.", "ServiceUnavailableError")
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return _error(400, f"The body is not JSON: {exc}", "BadRequestError")
+    if not isinstance(body, dict):
+        return _error(400, "The body must be a JSON object.", "BadRequestError")
+    body["model"] = state.settings.name
+    version = await state.gate.enter()
+    try:
+        upstream = await state.http.post(state.vllm_url + path, data=orjson.dumps(body),
+                                         headers={"content-type": "application/json"})
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        state.gate.leave()
+        return _error(503, f"vLLM did not answer ({type(exc).__name__}); retry shortly.", "ServiceUnavailableError")
+    tag = b'{"policy_version":%d,' % version
+    if body.get("stream") and upstream.status == 200:
+        async def relay():
+            try:
+                async for line in upstream.content:
+                    yield b"data: " + tag + line[7:] if line.startswith(b"data: {") else line
+            finally:
+                upstream.release()
+                state.gate.leave()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+    try:
+        content = await upstream.read()
+    finally:
+        upstream.release()
+        state.gate.leave()
+    if upstream.status == 200 and content.startswith(b"{"):
+        content = tag + content[1:]
+    return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+def create_app(settings: VllmEngineSettings) -> FastAPI:
+    """The engine app; its lifespan starts vLLM, then (with a bootstrap) follows forge.policy."""
+    state = EngineState(settings, VersionGate(settings.policy_version), checkpoint=settings.model)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        proc = _start_vllm(settings)
+        state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                           connector=aiohttp.TCPConnector(limit=1024), read_bufsize=1 << 24)
+        tasks = [asyncio.create_task(_bring_up(state, proc))]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await state.http.close()
+            _stop(proc)
+
+    app = FastAPI(title="forge-stream vLLM engine", lifespan=lifespan)
+    app.state.engine = state
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _relay(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _relay(request, "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.name, "object": "model", "owned_by": "forge-stream",
+                                            "root": settings.model, "max_model_len": settings.max_model_len,
+                                            "policy_version": state.gate.version}]}
+
+    @app.get("/health")
+    async def health():
+        if not state.ready:
+            return JSONResponse({"status": "starting", "model": settings.name}, status_code=503)
+        return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
+                "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
+                "loads": state.loads, "failed_loads": state.failed_loads, "probe_mismatch": state.last_mismatch}
+
+    return app
+
+
+def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
+    log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
+             " ".join(settings.vllm_argv()[3:]))
+    return subprocess.Popen(settings.vllm_argv(), env=vllm_env(settings.cache_dir, settings.runtime.target,
+                                                                settings.kv_cache_gib),
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _exit(reason: str) -> None:
+    """End this process (its supervisor restarts it, and with it a fresh vLLM)."""
+    log.error("%s; stopping the engine so that it starts afresh", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
+    settings = state.settings
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=600) as client:
+        while True:
+            if proc.poll() is not None:
+                return _exit(f"vLLM exited during start-up (exit code {proc.returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(state.vllm_url + "/health", timeout=5)).status_code == 200:
+                    break
+            if time.monotonic() - started > settings.start_timeout_s:
+                return _exit(f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
+            await asyncio.sleep(1.0)
+        state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
+        state.ready = True
+        log.info("engine ready (pid %d) on %s:%d: vLLM %s (started in %.0fs) serving %s at policy version %d; %s",
+                 os.getpid(), settings.host, settings.port, settings.runtime.target, time.monotonic() - started,
+                 settings.model, state.gate.version,
+                 f"loads each new version of run {settings.policy_run!r} from {TOPICS.policy.name} at "
+                 f"{settings.bootstrap}" if settings.bootstrap else "follows no policy topic")
+        watch = asyncio.create_task(_watch_process(proc))
+        try:
+            if settings.bootstrap:
+                await follow_policy(state)
+            else:
+                await watch
+        finally:
+            watch.cancel()
+
+
+async def _watch_process(proc: subprocess.Popen) -> None:
+    while proc.poll() is None:
+        await asyncio.sleep(1.0)
+    _exit(f"vLLM exited (exit code {proc.returncode})")
+
+
+async def follow_policy(state: EngineState) -> None:
+    """Load each newer version of the run into vLLM (the history's newest first), until cancelled."""
+    settings = state.settings
+    async with Follower(settings.bootstrap, TOPICS.policy, settings.policy_run) as policy:
+        pending = await policy.backlog()
+        while True:
+            target = newest(pending, state.gate.version, state.checkpoint)
+            if target is not None:
+                await load_version(state, target["checkpoint_uri"], target["version"])
+            pending = await policy.next()
+
+
+async def load_version(state: EngineState, checkpoint: str, version: int) -> bool:
+    """Move vLLM to `version` (see the module docstring); True if it serves it now."""
+    settings = state.settings
+    began = time.monotonic()
+    try:
+        expected = None
+        if settings.probe:
+            ids = probe_ids(_vocab_size(checkpoint))
+            expected = await asyncio.to_thread(reference_logprobs, checkpoint, ids, settings.dtype)
+    except (OSError, ValueError) as exc:
+        state.failed_loads += 1
+        log.warning("cannot read policy version %s at %s (%s); still serving version %s", version, checkpoint, exc,
+                    state.gate.version)
+        return False
+    await state.gate.close()
+    held = time.monotonic()
+    previous = (state.checkpoint, state.gate.version)
+    try:
+        proof = await state.control.load(checkpoint, version)
+        mismatch = await _probe(state, ids, expected) if expected is not None else None
+    except (WorkerError, httpx.HTTPError, OSError) as exc:
+        state.failed_loads += 1
+        log.error("policy version %s from %s was not proven (%s); loading version %s back", version, checkpoint,
+                  exc, previous[1])
+        try:
+            await state.control.load(*previous)
+        except (WorkerError, httpx.HTTPError, OSError) as again:
+            _exit(f"vLLM could not load version {previous[1]} back either ({again})")
+            return False
+        state.gate.reopen(previous[1])
+        return False
+    state.checkpoint, state.loads, state.last_mismatch = checkpoint, state.loads + 1, mismatch
+    state.gate.reopen(version)
+    log.info("serving policy version %s from %s: %d checksums equal the checkpoint's, %d of %d fused changed, probe "
+             "log-probs within %s of transformers', prefix cache reset%s; requests held %.2fs (%.2fs in all)",
+             version, checkpoint, proof.matched, proof.fused_changed, proof.fused,
+             f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
+             " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - held,
+             time.monotonic() - began)
+    return True
+
+
+def _vocab_size(model_dir: str) -> int:
+    config = orjson.loads((Path(model_dir) / "config.json").read_bytes())
+    return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+async def _probe(state: EngineState, ids: list[int], expected: list[float]) -> float:
+    """vLLM's prompt log-probs of `ids` (sent straight to vLLM: the gate is closed) against `expected`; the largest
+    difference, or WorkerError past PROBE_TOLERANCE."""
+    response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
+        "model": state.settings.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+    if response.status_code != 200:
+        raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
+    served = response.json()["choices"][0]["prompt_logprobs"]
+    got = [served[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    worst = max(abs(a - b) for a, b in zip(got, expected))
+    if worst > PROBE_TOLERANCE:
+        raise WorkerError(f"probe log-probs differ from the checkpoint's by up to {worst:.3g} nats")
+    return worst

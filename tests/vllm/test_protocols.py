@@ -1,0 +1,129 @@
+"""Every protocol of the gateway against real vLLM: the Completion events hold exactly the tokens vLLM consumed and
+produced, with log-probs the trainer's own forward pass reproduces at the weights of the recorded policy version."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from forge_stream.kafka.history import read_completions
+
+from vllm_support import open_session, trainer_logprobs
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_HISTORY = ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "paris"})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+
+
+def _sse(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def _post(url: str, path: str, body: dict, stream: bool = False) -> list[dict] | dict:
+    if stream:
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            return _sse(response)
+    response = httpx.post(url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _template_ids(tokenizer, messages, tools=None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_every_protocol_records_vllms_exact_tokens(vllm_engine, vllm_gateway, tiny_model_dir, run_id):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    session = open_session(vllm_gateway, run_id)
+    base = session["base_url"].removesuffix("/v1")
+    sampling = {"model": "whatever-the-agent-says", "temperature": 1.0, "max_tokens": 12}
+    answers = [
+        _post(base, "/v1/chat/completions", {**sampling, "messages": ASK, "logprobs": True, "return_token_ids": True}),
+        _post(base, "/v1/chat/completions", {**sampling, "messages": ASK, "n": 2}, stream=True),
+        _post(base, "/v1/chat/completions", {**sampling, "messages": TOOL_HISTORY, "tools": TOOLS,
+                                             "return_token_ids": True}),
+        _post(base, "/v1/chat/completions", {**sampling, "messages": TOOL_HISTORY, "tools": TOOLS}, stream=True),
+        _post(base, "/v1/completions", {**sampling, "prompt": "The weather in Paris is", "n": 2}),
+        _post(base, "/v1/completions", {**sampling, "prompt": "The weather in Paris is"}, stream=True),
+        _post(base, "/v1/responses", {**sampling, "max_output_tokens": 12, "input": "What is the weather?"}),
+        _post(base, "/v1/responses", {**sampling, "max_output_tokens": 12, "input": "What is the weather?",
+                                      "tools": [{"type": "function", **TOOLS[0]["function"]}]}, stream=True),
+        _post(base, "/v1/messages", {**sampling, "messages": ASK}),
+        _post(base, "/v1/messages", {**sampling, "system": "Be brief.", "messages": ASK}, stream=True),
+    ]
+    first = answers[0]
+    assert first["model"] == "whatever-the-agent-says" or first["model"]  # vLLM answered, whatever the name
+    records = sorted(read_completions(vllm_engine.bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
+                     key=lambda r: (r["turn"], r["choice_index"]))
+    assert [(r["turn"], r["choice_index"]) for r in records] == [
+        (0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0), (7, 0), (8, 0), (9, 0)]
+    version = vllm_engine.health()["policy_version"]
+    for r in records:
+        assert r["trainable"], (r["turn"], r["untrainable_reason"])
+        assert r["policy_version"] == version
+        assert r["prompt_token_ids"] and r["completion_token_ids"]
+        assert len(r["completion_logprobs"]) == len(r["completion_token_ids"])
+        assert r["logprobs_mode"] == "processed" and r["temperature"] == 1.0
+    # what vLLM said it consumed and produced is what was recorded
+    choice = first["choices"][0]
+    assert records[0]["prompt_token_ids"] == first["prompt_token_ids"]
+    assert records[0]["completion_token_ids"] == choice["token_ids"]
+    assert records[0]["completion_logprobs"] == pytest.approx([c["logprob"] for c in choice["logprobs"]["content"]])
+    # the chat template vLLM rendered is the model's own; with tools and a tool result, what vLLM rendered
+    assert records[0]["prompt_token_ids"] == _template_ids(tokenizer, ASK)
+    assert records[3]["prompt_token_ids"] == answers[2]["prompt_token_ids"]
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in tokenizer.decode(records[3]["prompt_token_ids"])
+    assert records[3]["completion_token_ids"] == answers[2]["choices"][0]["token_ids"]
+    # the trainer's own forward pass at the served weights gives the recorded (processed, T=1) log-probs
+    expected = trainer_logprobs(tiny_model_dir, records)
+    mismatch = max((torch.tensor(r["completion_logprobs"]) - lp).abs().max().item() for r, lp in zip(records, expected))
+    print(f"recorded vLLM log-probs vs the trainer's, {len(records)} completions: max |diff| {mismatch:.2e} nats")
+    assert mismatch < 2e-3
+
+
+def test_a_bad_request_gets_vllms_openai_error(vllm_engine, vllm_gateway, run_id):
+    session = open_session(vllm_gateway, run_id)
+    response = httpx.post(session["base_url"] + "/chat/completions", timeout=60, json={
+        "model": "x", "messages": ASK, "max_tokens": 100_000})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"]
+    direct = httpx.post(vllm_engine.url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert direct.status_code == 400 and "not JSON" in direct.json()["error"]["message"]
+
+
+FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "rain": {"type": "boolean"}},
+            "required": ["unit", "rain"]}
+
+
+def test_the_openai_sdk_gets_forced_tool_calls_and_json_from_vllm(vllm_engine, vllm_gateway, run_id):
+    """tool_choice and response_format reach vLLM as sent: its grammar backend makes even the random tiny model
+    call the named tool and answer the JSON schema, and the tool call is recorded as vLLM parsed it."""
+    session = open_session(vllm_gateway, run_id)
+    client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+    called = client.chat.completions.create(model="any", messages=ASK, tools=TOOLS, max_tokens=48, temperature=1.0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    json.loads(call.function.arguments)  # JSON (vLLM 0.32 on the CPU does not hold it to the parameters' schema)
+    shaped = client.chat.completions.create(model="any", messages=ASK, max_tokens=48, temperature=1.0,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "forecast", "schema": FORECAST}})
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), FORECAST)
+    records = sorted(read_completions(vllm_engine.bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
+                     key=lambda r: r["turn"])
+    assert [r["trainable"] for r in records] == [True, True]
+    assert json.loads(records[0]["tool_calls_json"])[0]["function"]["name"] == "get_weather"
+    assert records[1]["output_text"] == shaped.choices[0].message.content
