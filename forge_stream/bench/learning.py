@@ -129,7 +129,7 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
                         "group_timeout": 300, "threads": 1},
         })
         up(cfg, topology, echo=progress)
-        evaluate = ("eval", "--tasks", f"suite:heldout?{suite}", "--limit", str(s.heldout_tasks), "--agent", AGENT,
+        evaluate = ("eval", "--tasks", "suite:test", "--limit", str(s.heldout_tasks), "--agent", AGENT,
                     "--agent-workers", str(s.agent_workers), "--concurrency", str(s.concurrency), "--run", RUN,
                     "--gateway-url", gateway_url, "--bootstrap-servers", cfg.bootstrap)
         progress(f"[3/6] held-out evaluation of the warm start ({s.heldout_tasks} tasks)")

@@ -28,7 +28,8 @@ def served_versions(gateway_url: str, admin_token: str | None) -> set[int]:
 
 
 def eval_command(
-    tasks: str = typer.Option(..., help="Held-out tasks: a JSONL file or suite:heldout[?seed=..&mix=..]."),
+    tasks: str = typer.Option(..., help="Held-out tasks: a JSONL file or suite:test (suite:validation while "
+                                         "tuning; options ?seed=..&mix=.. pick a stream of the same split)."),
     agent: str = typer.Option(..., help="Agent command line (as for `rollout run`)."),
     agent_workers: int = typer.Option(0, help="Long-lived agent processes; 0 starts one process per episode."),
     agent_per_worker: int = typer.Option(16, help="Episodes in flight per agent process."),

@@ -1,4 +1,4 @@
-"""`forge-stream tasks generate`: write tasks of the shipped suite (train or held-out split) as JSONL."""
+"""`forge-stream tasks generate`: write tasks of the shipped suite (its train, validation or test split) as JSONL."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def group() -> None:
 
 @app.command("generate")
 def generate(
-    split: str = typer.Option("train", help="train or heldout (disjoint by construction)."),
+    split: str = typer.Option("train", help="train, validation or test (heldout: test); disjoint by template."),
     n: int = typer.Option(100, help="How many tasks."),
     seed: int = typer.Option(0, help="Seed of the stream."),
     mix: Optional[str] = typer.Option(None, help="Domain weights, e.g. 'reasoning=1,agent=1,lookup=1'."),
@@ -39,8 +39,8 @@ def generate(
 @app.command("probe")
 def probe_command(
     model: Optional[Path] = typer.Option(None, help="Policy (HF directory); default: the demo model of FORGE_HOME."),
-    n: int = typer.Option(150, help="Held-out tasks."),
-    seed: int = typer.Option(0, help="Seed of the held-out stream."),
+    n: int = typer.Option(150, help="Test tasks."),
+    seed: int = typer.Option(0, help="Seed of the test stream."),
     mix: Optional[str] = typer.Option(None, help="Domain weights, e.g. 'reasoning=1,agent=2,lookup=1'."),
     difficulty: int = typer.Option(1, help="Task difficulty."),
 ) -> None:

@@ -6,7 +6,9 @@ A source is any re-iterable of `TaskSpec`: iterating it again starts it over (th
 - a path: a JSONL file, one task a line (`task_id`, `prompt`, and optionally `reference`, `domain`, `grader`,
   `group_size`, `metadata`); it is read again each time it is iterated, so edits show up on the next cycle;
 - `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..]`: the shipped task suite
-  (`forge_stream.tasks.suite.iter_tasks`), an endless seeded stream; `mix` is `agent=2,lookup=1`.
+  (`forge_stream.tasks.suite.iter_tasks`), an endless seeded stream of one of its fixed splits (`train`,
+  `validation`, `test`; `heldout` is `test`); `mix` is `agent=2,lookup=1`. Which tasks belong to a split does not
+  depend on the options, so an evaluation on `suite:test` is one set whatever the training stream's seed and mix.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The shipped task suite (seeded families, graders, train/held-out split) and its scripted teacher."""
+"""The shipped task suite (seeded families, graders, train / validation / test splits) and its scripted teacher."""
 
-from forge_stream.tasks.suite import DOMAINS, SYSTEM, TOOLS, iter_tasks, make_tasks, split_of
+from forge_stream.tasks.suite import DOMAINS, SPLITS, SYSTEM, TOOLS, iter_tasks, make_tasks, split_of, template_key
 
-__all__ = ["DOMAINS", "SYSTEM", "TOOLS", "iter_tasks", "make_tasks", "split_of"]
+__all__ = ["DOMAINS", "SPLITS", "SYSTEM", "TOOLS", "iter_tasks", "make_tasks", "split_of", "template_key"]

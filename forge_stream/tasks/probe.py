@@ -1,6 +1,6 @@
 """Teacher-forced probe: which parts of the ideal conversation a policy already gets right.
 
-For each held-out task the scripted teacher's conversation (forge_stream.tasks.teacher) is rendered exactly as SFT
+For each test task the scripted teacher's conversation (forge_stream.tasks.teacher) is rendered exactly as SFT
 renders it, and the policy scores each assistant turn's tokens given the right prefix. Per domain and turn it
 reports the probability of producing the whole turn right at temperature 1 and, split into digit and other
 tokens, how often the right token is the most likely one and its mean probability. A turn whose argmax is right
@@ -46,7 +46,7 @@ def probe(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] |
     misses: collections.Counter = collections.Counter()
     model.eval()
     with torch.no_grad():
-        for task in make_tasks("heldout", n, seed=seed, mix=mix, difficulty=difficulty):
+        for task in make_tasks("test", n, seed=seed, mix=mix, difficulty=difficulty):
             for k, turn in enumerate(render_turns(tokenizer, demonstration(task.graded, task.domain))):
                 ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
                 logits = model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float()

@@ -1,4 +1,5 @@
-"""The shipped task suite: seeded task families with a difficulty, their graders, and a train/held-out split.
+"""The shipped task suite: seeded task families with a difficulty, their graders, and fixed train / validation /
+test splits.
 
 Three domains, mixed in one run (unified mixed-domain training):
 
@@ -12,15 +13,18 @@ The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for
 The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numeric` (the last
 number of the reply must equal the answer).
 
-The split is by construction: an instance belongs to the held-out set when a hash of its canonical form falls in
-the held-out fifth, so the two sets are disjoint whatever the seeds. `iter_tasks` is an endless seeded stream;
-`make_tasks` takes the first n of it.
+Splits are by template, not by instance: `template_key` names what makes two tasks one problem whatever their
+wording or order ("37 or 82" and "82 or 37"; "347 + 518", "518 + 347" and "518 - 347": one operand pair; a lookup
+key and the value stored under it), and a hash of the key puts every task of that template in one split: test
+(one key in ten), validation (one in ten) or train. So the splits are disjoint by template and fixed: a task's
+split depends on nothing else, whatever a stream's seed, mix or difficulty. `heldout` is another name for test.
+`iter_tasks` is an endless seeded stream of one split; `make_tasks` takes the first n of it.
 
 >>> a = make_tasks("train", 50, seed=1)
->>> b = make_tasks("heldout", 50, seed=1)
->>> not {canonical(t.graded) for t in a} & {canonical(t.graded) for t in b}
+>>> b = make_tasks("test", 50, seed=2, mix={"agent": 1.0})
+>>> not {template_key(t.domain, t.graded) for t in a} & {template_key(t.domain, t.graded) for t in b}
 True
->>> all(split_of(t.graded) == "heldout" for t in b)
+>>> all(split_of(t.domain, t.graded) == "test" for t in b)
 True
 """
 
@@ -30,6 +34,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 from typing import Callable, Iterator
 
 from forge_stream.rollout.controller import TaskSpec
@@ -45,7 +50,9 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}},
 ]
 DOMAINS = ("reasoning", "agent", "lookup")
-HELDOUT_SHARE = 5  # one instance in five is held out
+SPLITS = ("train", "validation", "test")
+ALIASES = {"heldout": "test"}
+HELD_OUT_TENTHS = {0: "test", 1: "validation"}  # a template key's hash mod 10 -> its split (train otherwise)
 KEYS = ("tern", "wren", "kite", "lark", "crow", "dove", "hawk", "swan", "rook", "owl", "jay", "teal",
         "finch", "robin", "heron", "egret", "stork", "crane", "gull", "raven")
 
@@ -78,15 +85,30 @@ FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reason
                                                             "lookup": lookup}
 
 
-def canonical(prompt: dict) -> str:
-    """The instance itself (question, answer, store), whatever the delivery settings."""
-    return json.dumps({k: prompt[k] for k in ("question", "answer", "store") if k in prompt}, sort_keys=True)
+NUMBER = re.compile(r"-?\d+")
 
 
-def split_of(prompt: dict) -> str:
-    """'heldout' or 'train', from a hash of the instance's canonical form."""
-    digest = int.from_bytes(hashlib.sha256(canonical(prompt).encode()).digest()[:8], "big")
-    return "heldout" if digest % HELDOUT_SHARE == 0 else "train"
+def template_key(domain: str, task: dict) -> str:
+    """The task's template (`task` as its grader sees it): the question's numbers, sorted, whatever their order or
+    operator; for lookup the key asked and the value stored under it (the only value an agent sees).
+
+    >>> template_key("reasoning", {"question": "Which is larger, 82 or 37?"})
+    'reasoning:37,82'
+    >>> [template_key("agent", {"question": q}) for q in ("What is 347 + 518?", "What is 518 - 347?")]
+    ['agent:347,518', 'agent:347,518']
+    >>> template_key("lookup", {"question": "What is stored under tern?", "answer": "532"})
+    'lookup:tern=532'
+    """
+    if domain == "lookup":
+        key = task["question"].removeprefix("What is stored under ").removesuffix("?")
+        return f"lookup:{key}={task['answer']}"
+    return f"{domain}:{','.join(sorted(NUMBER.findall(task['question']), key=int))}"
+
+
+def split_of(domain: str, task: dict) -> str:
+    """'train', 'validation' or 'test', from a hash of the task's template key."""
+    digest = int.from_bytes(hashlib.sha256(template_key(domain, task).encode()).digest()[:8], "big")
+    return HELD_OUT_TENTHS.get(digest % 10, "train")
 
 
 def _mix(mix: dict[str, float] | None) -> tuple[list[str], list[float]]:
@@ -100,16 +122,18 @@ def _mix(mix: dict[str, float] | None) -> tuple[list[str], list[float]]:
 
 def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, difficulty: int = 1,
                group_size: int = 8, max_tokens: int = 32) -> Iterator[TaskSpec]:
-    """An endless seeded stream of tasks of one split ('train' or 'heldout'), domains drawn by `mix` weights."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+    """An endless seeded stream of tasks of one split ('train', 'validation' or 'test'; 'heldout' is 'test'), domains
+    drawn by `mix` weights."""
+    split = ALIASES.get(split, split)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)} (or heldout, the test split), not {split!r}")
     names, weights = _mix(mix)
     rng = random.Random(f"{seed}:{split}")
     for index in itertools.count():
         domain = rng.choices(names, weights)[0]
         while True:
             instance = FAMILIES[domain](rng, difficulty)
-            if split_of(instance) == split:
+            if split_of(domain, instance) == split:
                 break
         answer = instance.pop("answer")
         yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, "max_tokens": max_tokens},

@@ -1,22 +1,73 @@
-"""The shipped task suite: seeded, split by construction, graded, and demonstrable by the scripted teacher."""
+"""The shipped task suite: seeded, split by template into fixed train / validation / test sets, graded, and
+demonstrable by the scripted teacher."""
 
+import collections
 import json
+import re
 
 import pytest
 
 from forge_stream.engine.tool_calls import parse_tool_calls
 from forge_stream.rollout.graders import resolve
-from forge_stream.tasks.suite import DOMAINS, canonical, iter_tasks, make_tasks, parse_mix, split_of
+from forge_stream.rollout.sources import load_task_source
+from forge_stream.tasks.suite import DOMAINS, SPLITS, iter_tasks, make_tasks, parse_mix, split_of, template_key
 from forge_stream.tasks.teacher import demonstration
 
 
-def test_streams_are_seeded_and_splits_disjoint():
+def keys(tasks):
+    return {template_key(t.domain, t.graded) for t in tasks}
+
+
+def test_streams_are_seeded():
     assert [t.prompt for t in make_tasks("train", 40, seed=3)] == [t.prompt for t in make_tasks("train", 40, seed=3)]
     assert [t.prompt for t in make_tasks("train", 40, seed=3)] != [t.prompt for t in make_tasks("train", 40, seed=4)]
-    train = {canonical(t.graded) for t in make_tasks("train", 2000, seed=0)}
-    heldout = {canonical(t.graded) for t in make_tasks("heldout", 500, seed=0)}
-    assert train and heldout and not train & heldout
-    assert all(split_of(json.loads(c)) == "heldout" for c in heldout)
+
+
+def test_splits_are_disjoint_by_template_whatever_the_seed_and_mix():
+    """Train, validation and test share no template (the numbers of a question whatever their order or operator,
+    a lookup key with its value), across streams of any seed and mix: the split of a task is its template's."""
+    streams = [(0, None), (7, {"agent": 2.0, "reasoning": 1.0}), (3, {"lookup": 1.0}), (11, {"reasoning": 1.0})]
+    by_split = {split: set() for split in SPLITS}
+    for split in SPLITS:
+        for seed, mix in streams:
+            tasks = make_tasks(split, 1500 if split == "train" else 400, seed=seed, mix=mix)
+            assert all(split_of(t.domain, t.graded) == split for t in tasks)
+            by_split[split] |= keys(tasks)
+    assert all(by_split.values())
+    assert not by_split["train"] & by_split["validation"]
+    assert not by_split["train"] & by_split["test"]
+    assert not by_split["validation"] & by_split["test"]
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_a_task_and_its_mirror_share_a_template_and_a_split(domain):
+    """"a or b" and "b or a", "a + b" and "b + a" (and "b - a") are one problem: one key, one split."""
+    def mirror(question):
+        numbers = re.findall(r"\d+", question)
+        return re.sub(r"\d+", lambda m, rest=iter(numbers[::-1]): next(rest), question)
+
+    tasks = make_tasks("test", 200, seed=5, mix={domain: 1.0})
+    for task in tasks:
+        mirrored = {**task.graded, "question": mirror(task.prompt["question"])}
+        assert template_key(domain, mirrored) == template_key(domain, task.graded)
+        assert split_of(domain, mirrored) == "test"
+    if domain == "agent":
+        plus = {"question": "What is 347 + 518?"}
+        assert {template_key(domain, {"question": q}) for q in (
+            "What is 518 + 347?", "What is 518 - 347?", "What is 347 * 518?")} == {template_key(domain, plus)}
+
+
+def test_the_splits_are_fixed_shares_of_the_templates():
+    """About a tenth of the templates are test, a tenth validation; heldout names the test split."""
+    shares = collections.Counter(split_of("agent", {"question": f"What is {a} + {b}?"})
+                                 for a in range(100, 160) for b in range(a, 160))
+    total = sum(shares.values())
+    assert 0.08 < shares["test"] / total < 0.12 and 0.08 < shares["validation"] / total < 0.12
+    assert [t.prompt for t in make_tasks("heldout", 30)] == [t.prompt for t in make_tasks("test", 30)]
+    assert next(iter(load_task_source("suite:heldout?seed=2"))).metadata["split"] == "test"
+    assert next(iter(load_task_source("suite:validation?seed=2"))).metadata["split"] == "validation"
+    with pytest.raises(ValueError, match="split must be one of train, validation, test"):
+        next(iter_tasks("dev"))
 
 
 def test_mixed_domains_follow_the_weights():
