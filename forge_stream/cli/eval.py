@@ -16,7 +16,7 @@ from typing import Optional
 import httpx
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings, task_source
 
 
 def served_versions(gateway_url: str, admin_token: str | None) -> set[int]:
@@ -52,9 +52,9 @@ def eval_command(
     from forge_stream.kafka.producer import EventProducer
     from forge_stream.rollout.evaluate import (EvalSettings, eval_records, latest_policy, recorded_versions,
                                                run_eval, score)
-    from forge_stream.rollout.sources import load_task_source
     from forge_stream.topics import TOPICS
 
+    source = task_source(tasks)
     cfg = settings(bootstrap_servers)
     url = gateway_url or f"http://127.0.0.1:{cfg.gateway_port}"
     served = served_versions(url, admin_token) if policy_version is not None else set()
@@ -69,7 +69,7 @@ def eval_command(
     async def main():
         runner = make_agent(agent, agent_workers, agent_per_worker, agent_timeout)
         try:
-            return await run_eval(spec, runner, load_task_source(tasks))
+            return await run_eval(spec, runner, source)
         finally:
             if hasattr(runner, "aclose"):
                 await runner.aclose()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 import typer
 
@@ -12,6 +13,27 @@ from forge_stream.settings import KAFKA_FIELDS, ForgeSettings
 BootstrapOption = typer.Option(None, "--bootstrap-servers", "-b", envvar="FORGE_BOOTSTRAP_SERVERS",
                                help="An external Kafka cluster; without it the embedded local broker is used.")
 JsonOption = typer.Option(False, "--json", help="Print one JSON object.")
+
+
+def user_error(message: str) -> typer.Exit:
+    """A user's mistake: one line on stderr saying what is wrong and what to do, exit status 2 (a traceback is
+    for bugs). Raise what it returns."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def task_source(spec: str) -> Iterable:
+    """The `--tasks` of a command, checked before anything starts: a missing file, an unknown split or option, or
+    a line that is no task is a user error. A file is read whole once; a suite stream yields its first task."""
+    from forge_stream.rollout.sources import JsonlTasks, load_task_source
+
+    try:
+        source = load_task_source(spec)
+        for _ in itertools.islice(source, None if isinstance(source, JsonlTasks) else 1):
+            pass
+    except (OSError, ValueError) as exc:
+        raise user_error(f"--tasks {spec}: {exc}") from None
+    return source
 
 
 def ready_kafka(bootstrap: str) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.cli.options import BootstrapOption, settings, user_error
 
 app = typer.Typer(no_args_is_help=True, help="Pictures of a run, drawn from the topics' history.")
 
@@ -33,7 +33,11 @@ def rewards(
     try:
         curves = load_curves(settings(bootstrap_servers).bootstrap, run, smoothing)
     except LookupError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--run") from exc
+        raise user_error(str(exc)) from None
+    if not curves.train.step and not curves.evals:
+        raise user_error(f"run {curves.run!r} has no TrainStep on forge.train_metrics and no EvalResult on "
+                         "forge.evals: nothing to plot (--run takes the trainer's run name; without it, the run "
+                         "that trained last)")
     plot_curves(curves, out, title)
     if as_json:
         typer.echo(json.dumps(curves.to_json()))

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.progress import Progress
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, ready_kafka, settings, task_source
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 
@@ -78,12 +78,12 @@ def run(
     """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish."""
     from forge_stream.kafka.producer import EventProducer
     from forge_stream.rollout.controller import ProgressLog, RolloutController, RolloutSettings
-    from forge_stream.rollout.sources import ResizedTasks, load_task_source
+    from forge_stream.rollout.sources import ResizedTasks
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    source = task_source(tasks)
     cfg = settings(bootstrap_servers)
     ready_kafka(cfg.bootstrap)
-    source = load_task_source(tasks)
     if group_size is not None:
         source = ResizedTasks(source, group_size)
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
