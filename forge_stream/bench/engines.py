@@ -42,7 +42,8 @@ async def _phase(url: str, requests: list[list[dict]], in_flight: int, max_token
             response = await client.post(f"{url}/v1/chat/completions", json={
                 "model": "bench", "messages": messages, "tools": TOOLS, "max_tokens": max_tokens,
                 "temperature": 1.0, "logprobs": True, "return_token_ids": True})
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {response.status_code} {response.text[:300]}")
             latencies.append(time.perf_counter() - began)
             tokens[0] += response.json()["usage"]["completion_tokens"]
 

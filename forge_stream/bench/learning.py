@@ -43,6 +43,7 @@ SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"
 @dataclass(frozen=True)
 class LearningSettings:
     rl_minutes: float = 15.0
+    engine: str = "torch"  # "vllm": real vLLM (`engine vllm`), "torch": the local torch engine
     loss: str = "cispo"
     lr: float = 1e-4
     updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)
@@ -119,7 +120,8 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
                    env=env)
         progress(f"[2/6] starting the topology in {home}")
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
-            "engine": {"model": str(warm), "max_batch_size": s.concurrency, "threads": 1, "policy_run": RUN},
+            "engine": {"kind": s.engine, "model": str(warm), "max_batch_size": s.concurrency, "policy_run": RUN,
+                       **({"threads": 1} if s.engine == "torch" else {})},
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
                            "rules": [f"{SUBGOAL_RULE}={s.subgoal_reward}"] if s.subgoal_reward else []},
@@ -173,8 +175,12 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
 
             plot_curves(load_curves(cfg.bootstrap, RUN), s.plot,
                         f"forge-stream bench learning ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
-        return {**_summary(s, sft, baseline, final, steps, rl_minutes, served, time.monotonic() - started),
-                "rl_cpu_seconds": cpu}
+        summary = _summary(s, sft, baseline, final, steps, rl_minutes, served, time.monotonic() - started)
+        rollouts = summary["rollouts_trained"]
+        return {**summary, "engine": s.engine, "rollouts_per_minute": round(rollouts / rl_minutes, 1),
+                "rl_cpu_seconds": cpu,
+                "cpu_ms_per_rollout": {name: round(1000 * sec / rollouts, 1) for name, sec in cpu.items()}
+                if rollouts else {}}
     finally:
         Supervisor(cfg.run_dir).stop_all()
         if cfg.embedded:
