@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from openai import OpenAI
 
-SYSTEM = "Answer with a number. Use a tool when useful."
+SYSTEM = "Answer with numbers only. Use a tool when useful."
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}, {"type": "function", "function": {"name": "lookup", "description": "Read the value stored under a key.", "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]  # noqa: E501 - verbatim: the warm-start demonstrations use exactly these
 MODEL = os.environ.get("OPENAI_MODEL", "default")
 ARITHMETIC = set("0123456789+-*/(). ")

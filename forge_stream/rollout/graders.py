@@ -11,6 +11,8 @@ over it (`TaskSpec.reference`, e.g. the `answer`, which the agent never gets); `
 1.0
 >>> numeric({"answer": "3.5"}, "no number")
 0.0
+>>> numbers({"answer": "82 64 37 15"}, "82, 64, 37, 15")
+1.0
 """
 
 from __future__ import annotations
@@ -32,9 +34,30 @@ def contains(task: dict, output: str) -> float:
     return float(str(task.get("answer", "")).strip().lower() in output.lower())
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def numeric(task: dict, output: str, tolerance: float = 1e-6) -> float:
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", output)
-    return float(bool(numbers) and abs(float(numbers[-1]) - float(task["answer"])) <= tolerance)
+    """1 when the last number of the reply is the answer. Lenient: a reply that names every candidate of a question
+    ("37 or 82? 82") passes when the right one comes last; the shipped suite grades with `numbers`."""
+    found = NUMBER.findall(output)
+    return float(bool(found) and abs(float(found[-1]) - float(task["answer"])) <= tolerance)
+
+
+def numbers(task: dict, output: str, tolerance: float = 1e-6) -> float:
+    """1 when the numbers of the reply, in order, are exactly those of the answer (one number or several); a reply
+    that names other numbers too, such as the question's, scores 0.
+
+    >>> numbers({"answer": "865"}, "The answer is 865."), numbers({"answer": "865"}, "347 + 518 = 865")
+    (1.0, 0.0)
+    >>> numbers({"answer": "82 64 37 15"}, "Order 37, 82, 15 and 64 from largest to smallest.")
+    0.0
+    >>> numbers({"answer": "82 64 37 15"}, "82 64 15 37"), numbers({"answer": "-171"}, "-171")
+    (0.0, 1.0)
+    """
+    found, wanted = NUMBER.findall(output), NUMBER.findall(str(task["answer"]))
+    return float(bool(wanted) and len(found) == len(wanted)
+                 and all(abs(float(a) - float(b)) <= tolerance for a, b in zip(found, wanted)))
 
 
 def resolve(name: str) -> Callable[[dict, str], float]:

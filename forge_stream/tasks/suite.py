@@ -3,18 +3,23 @@ test splits.
 
 Three domains, mixed in one run (unified mixed-domain training):
 
-- reasoning: "Which is larger, 37 or 82?", answered directly: the model has to compare the numbers itself.
+- reasoning: "Order 37, 82, 15 and 64 from largest to smallest.", answered directly ("82 64 37 15"): the model has
+  to compare the numbers itself. Four numbers, never asked in the order wanted, so that copying the question, or a
+  number of it, earns nothing, and an order picked without comparing is right about once in 23 (two numbers, "which
+  is larger?", paid a policy that always copied the second one half the time).
 - agent: "What is 347 + 518?" (difficulty d: (d + 2)-digit operands, + - *): the model can only get it right by
   calling the `calculator` tool and copying its result.
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
   as the `lookup` tool; the model must call it with the right key and copy the value.
 
 The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
-The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numeric` (the last
-number of the reply must equal the answer).
+The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numbers`: the numbers
+of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
+question, every candidate) scores 0. What trivial policies score, and the teacher: docs/learning/graders.md.
 
 Splits are by template, not by instance: `template_key` names what makes two tasks one problem whatever their
-wording or order ("37 or 82" and "82 or 37"; "347 + 518", "518 + 347" and "518 - 347": one operand pair; a lookup
+wording or order ("order 37, 82, 15 and 64" and "order 64, 15, 82 and 37"; "347 + 518", "518 + 347" and
+"518 - 347": one operand pair; a lookup
 key and the value stored under it), and a hash of the key puts every task of that template in one split: test
 (one key in ten), validation (one in ten) or train. So the splits are disjoint by template and fixed: a task's
 split depends on nothing else, whatever a stream's seed, mix or difficulty. `heldout` is another name for test.
@@ -39,7 +44,7 @@ from typing import Callable, Iterator
 
 from forge_stream.rollout.controller import TaskSpec
 
-SYSTEM = "Answer with a number. Use a tool when useful."
+SYSTEM = "Answer with numbers only. Use a tool when useful."
 TOOLS = [
     {"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -58,10 +63,16 @@ KEYS = ("tern", "wren", "kite", "lark", "crow", "dove", "hawk", "swan", "rook", 
 
 
 def reasoning(rng: random.Random, difficulty: int) -> dict:
-    """The larger of two different (difficulty + 1)-digit numbers, to answer directly."""
+    """Four different (difficulty + 1)-digit numbers, asked in any order but the wanted one, to answer from largest
+    to smallest."""
     low, high = 10 ** max(0, difficulty), 10 ** (max(0, difficulty) + 1)
-    a, b = rng.sample(range(low, high), 2)
-    return {"question": f"Which is larger, {a} or {b}?", "answer": str(max(a, b))}
+    numbers = rng.sample(range(low, high), 4)
+    wanted = sorted(numbers, reverse=True)
+    while numbers == wanted:
+        rng.shuffle(numbers)
+    a, b, c, d = numbers
+    return {"question": f"Order {a}, {b}, {c} and {d} from largest to smallest.",
+            "answer": " ".join(map(str, wanted))}
 
 
 def agent(rng: random.Random, difficulty: int) -> dict:
@@ -92,8 +103,8 @@ def template_key(domain: str, task: dict) -> str:
     """The task's template (`task` as its grader sees it): the question's numbers, sorted, whatever their order or
     operator; for lookup the key asked and the value stored under it (the only value an agent sees).
 
-    >>> template_key("reasoning", {"question": "Which is larger, 82 or 37?"})
-    'reasoning:37,82'
+    >>> template_key("reasoning", {"question": "Order 82, 37, 15 and 64 from largest to smallest."})
+    'reasoning:15,37,64,82'
     >>> [template_key("agent", {"question": q}) for q in ("What is 347 + 518?", "What is 518 - 347?")]
     ['agent:347,518', 'agent:347,518']
     >>> template_key("lookup", {"question": "What is stored under tern?", "answer": "532"})
@@ -137,7 +148,7 @@ def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, d
                 break
         answer = instance.pop("answer")
         yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, "max_tokens": max_tokens},
-                       domain=domain, grader="numeric", group_size=group_size,
+                       domain=domain, grader="numbers", group_size=group_size,
                        metadata={"difficulty": str(difficulty), "split": split}, reference={"answer": answer})
 
 

@@ -22,7 +22,7 @@ from forge_stream.topics import TOPICS
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 # What the warm-start SFT renders its demonstrations with: the agent must use exactly these.
-SYSTEM = "Answer with a number. Use a tool when useful."
+SYSTEM = "Answer with numbers only. Use a tool when useful."
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}, {"type": "function", "function": {"name": "lookup", "description": "Read the value stored under a key.", "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]  # noqa: E501
 
 

@@ -1,0 +1,64 @@
+"""Graders with a floor: for every family of the shipped suite, replies that take no skill (the question echoed, its
+first or last number, nothing) score about nothing, and the scripted teacher's answers score 1. The measured values
+are in docs/learning/graders.md."""
+
+import itertools
+import re
+
+import pytest
+
+from forge_stream.rollout.graders import resolve
+from forge_stream.tasks.suite import DOMAINS, FAMILIES, make_tasks
+from forge_stream.tasks.teacher import demonstration
+
+FLOOR = 0.05
+NUMBER = re.compile(r"-?\d+")
+
+
+def _numbers(question: str) -> list[str]:
+    return NUMBER.findall(question)
+
+
+TRIVIAL = {
+    "echo the question": lambda question: question,
+    "the first number of the question": lambda question: (_numbers(question) or [""])[0],
+    "the last number of the question": lambda question: (_numbers(question) or [""])[-1],
+    "the empty reply": lambda question: "",
+}
+
+
+def _tasks(domain: str) -> list:
+    """Many tasks of one family, from the training stream and the test split."""
+    return make_tasks("train", 1500, seed=0, mix={domain: 1.0}) + make_tasks("test", 500, seed=1, mix={domain: 1.0})
+
+
+def mean_score(tasks, reply) -> float:
+    return sum(resolve(t.grader)(t.graded, reply(t)) for t in tasks) / len(tasks)
+
+
+def test_every_family_is_covered():
+    assert set(DOMAINS) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("policy", TRIVIAL)
+def test_a_trivial_reply_scores_at_most_the_floor(domain, policy):
+    reply = TRIVIAL[policy]
+    assert mean_score(_tasks(domain), lambda t: reply(t.prompt["question"])) <= FLOOR
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_the_teacher_scores_the_ceiling(domain):
+    tasks = _tasks(domain)
+    assert mean_score(tasks, lambda t: demonstration(t.graded, t.domain)[-1]["content"]) == 1.0
+
+
+def test_no_order_picked_without_comparing_beats_one_in_twenty_three():
+    """A reasoning reply that lists the question's numbers in a fixed order of their positions (as asked, reversed,
+    any of the 24) is right only when the question happened to ask them in that order: never for the order as
+    asked, about 1 in 23 for any other."""
+    tasks = _tasks("reasoning")
+    scores = {order: mean_score(tasks, lambda t: " ".join(_numbers(t.prompt["question"])[i] for i in order))
+              for order in itertools.permutations(range(4))}
+    assert scores[(0, 1, 2, 3)] == 0.0
+    assert max(scores.values()) < 0.065
