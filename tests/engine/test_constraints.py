@@ -110,7 +110,7 @@ def _arguments_match(call):
 
 
 def test_tool_choice_required_yields_valid_calls_of_listed_tools(engine_url, grammars, tokenizer):
-    body = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 4, "seed": 1, "max_tokens": 120,
+    body = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 4, "seed": 1, "max_tokens": 400,
             "return_token_ids": True}
     out = _post(engine_url, body)
     for choice in out["choices"]:
