@@ -2,7 +2,8 @@
 
 Both engines serve the same model at once (`engine vllm` and `engine serve`, each its own process) and get the
 same agent-shaped chat requests: the task suite's system prompt, tools and a question (about 250 prompt tokens),
-up to 32 sampled tokens at temperature 1, log-probs and token ids asked for, as the gateway asks. Phases alternate
+32 sampled tokens at temperature 1 (EOS ignored, so both engines produce the same number), log-probs and token ids
+asked for, as the gateway asks. Phases alternate
 between the engines (vllm, torch, vllm, torch, ...) at 1 and at 64 requests in flight, so a slow spell of the
 shared machine lands on both; each engine's figure is the median of its phases. Only the measured engine works
 during a phase (the other is idle).
@@ -41,7 +42,7 @@ async def _phase(url: str, requests: list[list[dict]], in_flight: int, max_token
             began = time.perf_counter()
             response = await client.post(f"{url}/v1/chat/completions", json={
                 "model": "bench", "messages": messages, "tools": TOOLS, "max_tokens": max_tokens,
-                "temperature": 1.0, "logprobs": True, "return_token_ids": True})
+                "temperature": 1.0, "logprobs": True, "return_token_ids": True, "ignore_eos": True})
             if response.status_code != 200:
                 raise RuntimeError(f"{url}: HTTP {response.status_code} {response.text[:300]}")
             latencies.append(time.perf_counter() - began)

@@ -7,6 +7,10 @@ import typer
 
 from forge_stream.cli.options import ready_kafka
 
+# idle connections stay open longer than the gateway's client keeps them (aiohttp: 15 s), so the gateway never sends a
+# request on a connection the engine is closing (uvicorn's default is 5 s)
+KEEP_ALIVE_S = 30
+
 app = typer.Typer(no_args_is_help=True, help="Rollout engines (OpenAI protocol): the local torch engine and real vLLM.")
 
 
@@ -53,7 +57,7 @@ def serve(
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()
     app = create_app(EngineService.load(settings), policy_bootstrap=bootstrap_servers, policy_run=policy_run)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 @app.command("install-vllm")
@@ -118,4 +122,4 @@ def vllm(
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -209,8 +209,11 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         proc = _start_vllm(settings)
+        # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a
+        # request sent on one it is closing fails (aiohttp keeps them 15 s by default)
         state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                           connector=aiohttp.TCPConnector(limit=1024), read_bufsize=1 << 24)
+                                           connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+                                           read_bufsize=1 << 24)
         tasks = [asyncio.create_task(_bring_up(state, proc))]
         try:
             yield
