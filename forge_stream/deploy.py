@@ -184,13 +184,14 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
         "--data-dir", str(settings.home / "processors"),
         "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
-        *_flags(opts, ("advantage", "advantage_scale", "gamma", "claim_store", "claim_over_bytes")),
+        *_flags(opts, ("advantage", "advantage_scale", "gamma", "claim_store", "claim_over_bytes",
+                       "time_reward_weight")),
         *(a for rule in opts.get("rules", ()) for a in ("--rule", str(rule))),
     )
 
 
 TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss",
-                   "eps_low", "eps_high", "group_timeout", "max_staleness", "stale_action", "token_budget",
+                   "eps_low", "eps_high", "clip_ratio_c", "group_timeout", "max_staleness", "stale_action", "token_budget",
                    "updates_per_batch", "wait_s", "from_now", "nproc", "fsdp", "nnodes", "node_rank", "master_addr")
 
 
