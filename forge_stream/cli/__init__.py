@@ -4,6 +4,7 @@ import typer
 
 from forge_stream.cli import bench
 from forge_stream.cli import claims
+from forge_stream.cli import docs
 from forge_stream.cli import eval
 from forge_stream.cli import engine
 from forge_stream.cli import gateway
@@ -42,6 +43,7 @@ app.add_typer(plot.app, name="plot")
 app.add_typer(engine.app, name="engine")
 app.add_typer(model.app, name="model")
 app.add_typer(tasks.app, name="tasks")
+app.add_typer(docs.app, name="docs")
 
 
 def main() -> None:
