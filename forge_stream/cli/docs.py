@@ -2,12 +2,13 @@
 
 The pages under docs/ (and README.md) are hand-written Markdown with generated regions, each between
 `<!-- generated: NAME [ARG] -->` and `<!-- end generated -->`. `docs generate` rewrites every region from what it
-documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`),
-`events` from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings` and the CLI's
-environment variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and `fifo-chart WORKLOAD` (the window's
-trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`. `docs generate --check` writes nothing and fails, naming the pages, when a region is out of
-date (tests/docs runs it). `docs record` turns one benchmark run's JSON output into a result file, with the
-command, the commit and the machine, so a re-run updates the tables instead of adding a paragraph.
+documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`), `events`
+from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings` and the CLI's environment
+variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and `fifo-chart WORKLOAD` (the window's
+trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`. `docs generate --check` writes
+nothing and fails, naming the pages, when a region is out of date (tests/docs runs it). `docs record` turns one
+benchmark run's JSON output into a result file, with the command, the commit and the machine, so a re-run updates
+the tables instead of adding a paragraph.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def settings_reference(root: Path, _arg: str) -> str:
     for name, field in ForgeSettings.model_fields.items():
         comment = re.search(rf"^\s+{name}: .*?#\s*(.*)$", source, re.M)
         default = str(field.default).replace(home, "~") if field.default is not None else "none"
-        lines.append(f"| `FORGE_{name.upper()}` | `{name}` | `{default}` | {cell(comment.group(1) if comment else '')} |")
+        meaning = cell(comment.group(1)) if comment else ""
+        lines.append(f"| `FORGE_{name.upper()}` | `{name}` | `{default}` | {meaning} |")
     seen: dict[str, list[str]] = {}
 
     def walk(command, path: str) -> None:
@@ -164,13 +166,14 @@ def load_results(root: Path) -> list[dict]:
 
 def machine_text(machine: dict) -> str:
     cores = f"{machine['cores']} cores" if machine.get("cores") else "cores unknown"
-    return cell(", ".join([cores, machine.get("cpu_model") or "CPU model unknown", *filter(None, [machine.get("note")])]))
+    return cell(", ".join(filter(None, [cores, machine.get("cpu_model") or "CPU model unknown", machine.get("note")])))
 
 
 def results_table(root: Path, spec: str) -> str:
     """The result files of one benchmark (`results NAME`), or its exploratory runs (`results NAME exploratory`)."""
     benchmark, _, kind = spec.partition(" ")
-    rows = [r for r in load_results(root) if r["benchmark"] == benchmark and r["exploratory"] == (kind == "exploratory")]
+    rows = [r for r in load_results(root)
+            if r["benchmark"] == benchmark and r["exploratory"] == (kind == "exploratory")]
     if not rows:
         raise ValueError(f"no result file of benchmark {spec!r} under {RESULTS}")
     lines = ["| variant | result | target | date | commit | machine | raw run |", "|---|---|---|---|---|---|---|"]
@@ -179,8 +182,9 @@ def results_table(root: Path, spec: str) -> str:
         date = r.get("date") or (f"stated {stated['on']}" if stated.get("on") else "unknown")
         commit = f"`{r['commit'][:10]}`" if r.get("commit") else (
             f"unknown (stated in {stated['in']})" if stated.get("in") else "unknown")
-        lines.append(f"| {cell(r.get('variant') or '')} | {cell(r['summary'])} | {cell(r.get('target') or 'none set')} | "
-                     f"{date} | {commit} | {machine_text(r['machine'])} | [{r['file']}](results/{r['file']}) |")
+        lines.append(f"| {cell(r.get('variant') or '')} | {cell(r['summary'])} | "
+                     f"{cell(r.get('target') or 'none set')} | {date} | {commit} | {machine_text(r['machine'])} | "
+                     f"[{r['file']}](results/{r['file']}) |")
     return "\n".join(lines) + "\n"
 
 
