@@ -6,9 +6,9 @@ Its methods join every vLLM worker and are called through `POST /collective_rpc 
 vLLM's CPU GEMM dispatch packs each linear layer's weights into a oneDNN handle once they are loaded
 (`dispatch_cpu_unquantized_gemm`). An in-place reload re-packs every layer it loads, but an LM head tied to the
 input embedding loads nothing of its own, so it keeps the handle packed from the old embedding: the model then
-reads new input embeddings and scores tokens with old output ones (measured on the tiny model: prompt log-probs
-off by 1.6 nats after a reload that changed only the embedding, exact for every other group of weights). After
-the reload this method packs the handles of such layers again from the weights they now hold.
+reads new input embeddings and scores tokens with old output ones (on the tiny model, prompt log-probs are off by
+1.6 nats after a reload that changes only the embedding, and exact for every other group of weights). After the
+reload this method packs the handles of such layers again from the weights they hold.
 """
 
 from __future__ import annotations
