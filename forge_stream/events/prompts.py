@@ -148,8 +148,8 @@ class Lane:
     """The last recorded completion of one (agent, choice index) lane of a session, as the gateway keeps it: its
     prompt's ids whole when short, else their digest (see the module's doc); its completion's ids; the message_digest
     of each of its whole prompt's messages. The lane keeps nothing of `prompt` (a PromptIds or a list) but those, and
-    its completion's ids packed (8 bytes each: as Python ints, a 32K-token reasoning turn took 1.2 MB until the next
-    turn)."""
+    its completion's ids packed (8 bytes each: as Python ints, a 32K-token reasoning turn would hold 1.2 MB until the
+    next turn)."""
 
     __slots__ = ("completion_id", "prompt_len", "prompt", "completion", "messages", "_text_len", "_state", "_digest")
     packed_from = PACKED_FROM  # (tests set it lower, to run every lane packed)
