@@ -32,8 +32,8 @@ class GatewaySettings:
     max_queue: int = 32  # in-flight requests on a group's engine before its requests go elsewhere
     ack_timeout_ms: int = 10_000  # Kafka delivery timeout; past it the caller gets 503 and nothing is recorded
     # producer batching: librdkafka sends one partition's batch per request (#1700), so at 2 ms nearly every
-    # Completion was a request of its own; 10 ms halves the broker's requests under load for ~8 ms per call
-    # at low load (README, performance)
+    # Completion is a request of its own; 10 ms halves the broker's requests under load and costs up to ~8 ms per
+    # call at low load (docs/benchmarks/exploratory.md)
     linger_ms: float = 10.0
     retry_after_s: int = 2
     # Admission (forge_stream.gateway.admission): OpenAI calls served at once (engine call through Kafka's ack),

@@ -4,11 +4,12 @@ uvicorn writes a response's status line and headers when the app sends `http.res
 app sends `http.response.body`: two writes to the socket, so two TCP segments, and a client that reads the first before
 the second arrives wakes twice for one answer. An agent's call is answered with one start and one body, sent in the
 same step of the app's task; `CoalescingHttpToolsProtocol` gives each request's cycle a transport that holds what is
-written during one step of the event loop and writes it at the end of that step, in one call. Measured with `bench
-gateway --workers 2` side by side (README, performance): the gateway's CPU per call about 8% lower, the load client's
-about a third lower. A streamed answer's chunks are written as they come, each at the end of the loop step that sent
-it (chunks sent in one step go out together); nothing waits past the step it was written in. Backpressure is the
-real transport's: its buffer pauses the protocol (uvicorn's flow control) when a flush fills it.
+written during one step of the event loop and writes it at the end of that step, in one call. With it, `bench
+gateway --workers 2` run side by side shows the gateway's CPU per call about 8% lower and the load client's about
+a third lower (docs/benchmarks/exploratory.md). A streamed answer's chunks are written as they come, each at the end
+of the loop step that sent it (chunks sent in one step go out together); nothing waits past the step it was written
+in. Backpressure is the real transport's: its buffer pauses the protocol (uvicorn's flow control) when a flush fills
+it.
 """
 
 from __future__ import annotations
