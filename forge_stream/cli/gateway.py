@@ -15,8 +15,8 @@ from forge_stream.gateway.settings import GatewaySettings
 
 _SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
 # A gateway call allocates a few hundred containers (the engine's parsed answer: a dict per logprob), and 64 calls
-# in flight keep them alive, so CPython's default first-generation threshold (700) collected every few calls and
-# promoted live objects into collections of the older ones, which walked every module's objects: about 0.3 ms of a
+# in flight keep them alive, so CPython's default first-generation threshold (700) collects every few calls and
+# promotes live objects into collections of the older ones, which walk every module's objects: about 0.3 ms of a
 # call's 1.8 ms of CPU (gc.callbacks with thread CPU time, 64 callers). Frozen, and at 10,000: a tenth of that.
 _GC_THRESHOLD = (10_000, 10, 10)
 
