@@ -230,7 +230,7 @@ def describe(bootstrap: str, timeout: float = 5.0) -> dict:
     sizes = {name: len(meta.partitions) for name, meta in sorted(metadata.topics.items()) if not name.startswith("__")}
     # The groups' commits first, the end offsets after: a commit never passes the end offset of its moment, and end
     # offsets only grow, so no lag comes out negative while the groups keep committing (read the other way round,
-    # a busy group's lag was).
+    # a busy group's lag can).
     listed = admin.list_consumer_groups(request_timeout=timeout).result()
     names = sorted(g.group_id for g in listed.valid)
     described = admin.describe_consumer_groups(names, request_timeout=timeout) if names else {}

@@ -3,7 +3,7 @@
 `send` returns an asyncio future that resolves only once Kafka acknowledged the record, so a server can answer
 its caller after the event is durable and never before. `send_sync` is the same for scripts. The acknowledgements
 that one poll of librdkafka serves reach each event loop in one hand-over (one wake-up of the loop, not one per
-record: that per-record `call_soon_threadsafe` was a self-pipe write and a loop wake-up for every event).
+record: a `call_soon_threadsafe` per record costs a self-pipe write and a loop wake-up for every event).
 A patient producer (`patient=True`: the trainer, the rollout controller) never gives a record up: while Kafka is
 away its sends wait, and go through once it is back, instead of failing after `message.timeout.ms`.
 A record larger than its topic takes (`Topic.max_message_bytes`, less `RECORD_OVERHEAD` for the batch framing) is
