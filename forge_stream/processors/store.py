@@ -1,9 +1,9 @@
 """A group's state kept in small pieces: one header per group and one entry per event record it holds.
 
 Faust writes a table value whole to its changelog on every update. Kept as one value, a group's state (every
-completion, span and reward it collected) was rewritten on each of its events: the changelog grew with the
-square of a session's turns, and a group holding one large request's completions made a record over Kafka's
-size limit, which crash-looped the worker at every restart. So the state is split:
+completion, span and reward it collected) would be rewritten on each of its events: the changelog would grow with
+the square of a session's turns, and a group holding one large request's completions would make a record over
+Kafka's size limit, which crash-loops the worker at every restart. So the state is split:
 
     headers[group_id]              the state without its "completions", "spans" and "rewards" maps, plus
                                    "entries": how many entries the group has written (a closed marker as is);
@@ -16,13 +16,13 @@ holds a separator that group ids cannot (`is_entry` tells them apart). The topol
 
 `load` rebuilds the state the pure fold (forge_stream.processors.fold) works on; `save` writes the header and
 only the records the fold added or replaced, as new entries (a later entry of the same id wins on load, as the
-fold's own replacement did). Per event that is one header (the group's sessions and task: independent of
+fold's own replacement does). Per event that is one header (the group's sessions and task: independent of
 turns) and at most the event's own record: the changelog grows linearly with what the group received. Closing a
 group deletes its entries (tombstones on the compacted changelog) and leaves the closed marker; forgetting the
 marker deletes the header.
 
-A header that still holds the whole state (written before this split) is read as it is and split on its next
-save, so an existing changelog carries over.
+A header that holds the whole state (one value, unsplit) is read as it is and split on its next save, so a
+changelog written that way carries over.
 """
 
 from __future__ import annotations
