@@ -281,8 +281,8 @@ class _DrainingBuffer:
     """A fix for faust-streaming 0.15's ProducerBuffer.flush, which returns as soon as no message was sent for
     0.1 s, with messages still queued. The consumer commits offsets right after that flush
     (Consumer._commit_offsets: producer.flush(), then commit), and table changelog writes wait in that buffer
-    (Table.__setitem__ -> send_soon). So on a loaded machine a commit could pass events whose state had not
-    reached the changelog yet, and a SIGKILL then lost that state for good. Installed by `install()`: flush
+    (Table.__setitem__ -> send_soon). So on a loaded machine a commit can pass events whose state has not
+    reached the changelog yet, and a SIGKILL then loses that state for good. Installed by `install()`: flush
     waits until the buffer is empty and the message being handed to the Kafka client has been handed over
     (the client's own flush, which faust runs next, then waits for its acknowledgement)."""
 
