@@ -413,8 +413,8 @@ def _listening_sockets(port: int) -> int:
 def test_workers_each_accept_on_their_own_socket_so_a_burst_of_connections_is_shared(kafka_bootstrap, engine):
     """`--workers 2` listens with one socket per worker (SO_REUSEPORT): 64 connections opened at once, as a load
     balancer's pool or 64 starting agents open them, are spread over both workers by the kernel. (With one socket
-    shared, each worker took what it could when woken: in one `bench gateway` run at 64 callers one did twice the
-    other's work and ran out of CPU first.)"""
+    shared, each worker takes what it can when woken, so the split is uneven: under `bench gateway` at 64 callers one
+    worker can do twice the other's work and run out of CPU first.)"""
 
     async def pid_of(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
         writer.write(b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n")

@@ -123,8 +123,8 @@ def test_the_directory_forgets_sessions_left_open_past_the_lookback():
 def test_a_long_session_is_rebuilt_from_its_references_without_its_prompts_whole():
     """220 turns growing to 220K tokens of context, recorded by reference: the fold builds each lane from the one it
     extends (a digest of the prompt, extended by the ids each turn appends), so rebuilding the session never holds
-    a prompt whole; its lane is the lane the recording gateway held. Before, every prompt was rebuilt whole first:
-    about 200 MB at the peak, and the lane held 9 MB of ids."""
+    a prompt whole; its lane is the lane the recording gateway held. Rebuilding every prompt whole first would peak
+    at about 200 MB, with 9 MB of ids held by the lane."""
     rng = random.Random(5)
     ids = [rng.randrange(257, 151_000) for _ in range(1000)]
     messages = [{"role": "user", "content": "go"}]
