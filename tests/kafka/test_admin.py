@@ -68,8 +68,9 @@ def test_a_stream_processors_state_topics_are_not_its_lag():
 
 
 def test_a_group_committing_while_status_reads_never_lags_below_zero(kafka_bootstrap, run_id, monkeypatch):
-    """`status` once showed a busy group's lag as -7: it read the end offsets, then the group's commits, which had
-    moved past them meanwhile. Here the group writes and commits right after `describe` read the end offset."""
+    """Read the other way round (the end offsets, then the group's commits, which can move past them meanwhile),
+    `status` shows a busy group's lag below zero (e.g. -7). Here the group writes and commits right after `describe`
+    read the end offset."""
     from confluent_kafka import Producer, TopicPartition
 
     from forge_stream.kafka import admin

@@ -49,7 +49,7 @@ def test_producing_to_an_unknown_topic_fails_instead_of_creating_it(kafka_bootst
 def test_wrong_topics_make_start_up_refuse_with_the_fix(own_broker, tmp_path):
     _, bootstrap = own_broker
     admin = admin_client(bootstrap)
-    # what an early producer's auto-creation used to leave: forge.tool_spans with 1 partition
+    # what a producer's auto-creation leaves on a broker that allows it: forge.tool_spans with 1 partition
     admin.create_topics([NewTopic(TOPICS.tool_spans.name, num_partitions=1, replication_factor=1)])[
         TOPICS.tool_spans.name].result()
     create_topics(bootstrap)
