@@ -133,8 +133,8 @@ def long_session(turns: int) -> list[tuple[str, dict]]:
 
 
 def test_what_a_long_session_writes_grows_linearly_with_its_events():
-    """Kept whole, the group's state (every completion so far) was rewritten on each event: the bytes grew with
-    the square of the turns. Split, each event writes its own record and a header that does not grow."""
+    """Kept whole, the group's state (every completion so far) would be rewritten on each event: the bytes would
+    grow with the square of the turns. Split, each event writes its own record and a header that does not grow."""
     def written(turns: int) -> tuple[int, int, int]:
         headers, entries = Recorded(), Recorded()
         events = long_session(turns)
@@ -147,7 +147,7 @@ def test_what_a_long_session_writes_grows_linearly_with_its_events():
     assert long_entry <= short_entry + 16  # one record (appended ids only), not the history
     assert long_total < 4.4 * short_total  # linear in events (4x the turns), not quadratic (16x)
     whole_state = json.dumps(whole_run(long_session(400)[:-1])[0])
-    assert long_header < 2_000 < len(whole_state) / 50  # what each event used to rewrite
+    assert long_header < 2_000 < len(whole_state) / 50  # what each event would rewrite, kept whole
 
 
 def test_an_entry_lost_from_the_table_is_a_clear_error_not_a_half_state():

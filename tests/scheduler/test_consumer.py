@@ -277,9 +277,9 @@ def test_the_group_timeout_goes_on_across_a_restart(kafka_bootstrap, run_id):
 
 def test_strict_fifo_holds_from_the_first_batch_whatever_partition_is_read_first(kafka_bootstrap, run_id):
     """Tasks and samples are keyed by group, so they spread over partitions; a consumer that has read one partition
-    but not yet another must not hand out a younger group whose older neighbour's Task it has not seen. (This is
-    how the restart test above once failed in CI: after the restart group 1 was handed out before group 0's Task
-    was read, so group 0 was neither queued nor skipped.)"""
+    but not yet another must not hand out a younger group whose older neighbour's Task it has not seen. (Otherwise
+    the restart test above can hand out group 1 after the restart before group 0's Task is read, and group 0 is
+    then neither queued nor skipped.)"""
     n = 24
     settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1))
     # A backlog ahead of group 0's Task on its partition (big Tasks of groups this scheduler already retired), so

@@ -282,7 +282,7 @@ def test_two_workers_share_the_partitions_and_one_takes_over_when_the_other_is_k
 @pytest.mark.parametrize("which", ["followed", "last"])
 def test_a_record_the_consumer_skipped_is_read_back_from_kafka_and_folded(kafka_bootstrap, run_id, tmp_path, which):
     """faust 0.15 can drop a prefetched record when a rebalance hands its partition over, and acknowledge it, so the
-    committed offset passes a record that was never folded (seen in the two-worker test: a group waited forever for
+    committed offset passes a record that was never folded (in the two-worker test, a group then waits forever for
     one completion). Its effect is reproduced here exactly: the worker's committed offset is moved past a completion
     it never read. On restart the worker reads the skipped one back from Kafka and folds it: the group yields the
     sample the pure fold computes. `followed`: later records of that partition show the gap to the groups agent;
