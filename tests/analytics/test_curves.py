@@ -58,7 +58,7 @@ def test_plot_rewards_from_the_broker(kafka_bootstrap, run_id, tmp_path):
 
 
 def test_a_perfect_score_whose_bound_rounds_below_it_still_plots(tmp_path):
-    """Seen on a real run: lookup 1.000 with a Wilson upper bound of 0.9999999999999999."""
+    """Float rounding can put a Wilson upper bound below the score it bounds: lookup 1.000, bound 0.9999999999999999."""
     from forge_stream.analytics.curves import plot_curves
 
     perfect = eval_result("r", 0, "lookup", 1.0) | {"ci_low": 0.72, "ci_high": 0.9999999999999999}

@@ -1,6 +1,6 @@
 """`forge-stream bench gateway` at toy size on the test broker: both phases answer every call, every answered call
 through the gateway is a Completion on Kafka, and each process's CPU is accounted. (The figures of the full size
-are in the README; this checks the path and its accounting, not the target.)"""
+are in docs/benchmarks/gateway.md; this checks the path and its accounting, not the target.)"""
 
 import pytest
 

@@ -1,6 +1,7 @@
 """`forge-stream bench long-horizon` at toy size on the test broker: every turn goes through the real gateway and
 processors, context resets make new branches, the group's sample comes back by claim check, and it trains. (The
-figures of the full size are in the README; this checks the path and its accounting, not the targets.)"""
+figures of the full size are in docs/benchmarks/long-horizon.md; this checks the path and its accounting, not the
+targets.)"""
 
 import math
 

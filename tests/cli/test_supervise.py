@@ -89,9 +89,9 @@ def test_service_that_dies_at_once_is_crash_looping(kafka_bootstrap, tmp_path):
 
 
 def test_the_supervisor_being_started_is_not_taken_for_a_reused_pid(tmp_path):
-    """Between its fork and its exec the supervisor's command line is still its parent's; `up` once reported
-    "the supervisor ... is not running" (with an empty log) in that window under load. A child of ours counts
-    as the supervisor then; another process under the pid file's pid still counts as a reused pid."""
+    """Between its fork and its exec the supervisor's command line is still its parent's, so a check by command line
+    alone has `up` report "the supervisor ... is not running" (with an empty log) in that window under load. A child
+    of ours counts as the supervisor then; another process under the pid file's pid still counts as a reused pid."""
     supervisor = Supervisor(tmp_path / "run")
     supervisor.run_dir.mkdir(parents=True)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # our child, not yet 'exec'd'

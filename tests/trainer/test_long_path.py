@@ -4,7 +4,7 @@ chunked log-prob path (completion rows only, LM head in row chunks, checkpointed
 Memory of a step, by construction: each decoder layer's input kept for backward and one layer's activations at
 a time (`StepConfig.checkpoint_layers`), one attention chunk's keys and mask (chunk x depth, freed after the
 chunk) and `head_rows` x vocab logits. Nothing is U x U or U x vocab. The bound checked is 300 MB (thread
-pools, allocator slack, AdamW state, one LM-head chunk) plus 32 KB per row: the tiny model's step measured
+pools, allocator slack, AdamW state, one LM-head chunk) plus 32 KB per row: the tiny model's step measures
 59 MB over its baseline at 3,000 rows and 255 MB at 9,000 (about 28 KB per row at the margin). The model has the
 tiny model's sizes (`TinyModelSpec`).
 
