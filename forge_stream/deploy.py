@@ -267,7 +267,7 @@ def demo_model(cache_dir: Path, echo=print) -> Path:
         return path
     work = Path(tempfile.mkdtemp(prefix="demo-model-", dir=cache_dir if cache_dir.is_dir() else None))
     echo(f"Writing the tiny demo model and warm-starting it on the task suite's demonstrations (forge-stream sft, "
-         f"about a minute on 2 cores, once per machine) into {path}...")
+         f"1.5 to 5 minutes on 2 cores depending on their load, once per machine) into {path}...")
     tiny.init_tiny_model(work / "init", tiny.TinyModelSpec(seed=0))
     sft.run_sft(sft.SftSettings(base_model=work / "init", out=work / "warm"), progress=echo)
     path.parent.mkdir(parents=True, exist_ok=True)
