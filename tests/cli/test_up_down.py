@@ -40,7 +40,7 @@ def test_up_status_down_up_keeps_data(tmp_path):
         for i in range(20):
             record = {"event_id": f"e{i}", "event_time": 1_764_000_000_000 + i, "task_id": f"t{i}",
                       "group_id": f"g{i}", "seq": i, "domain": "qa", "grader": "exact", "group_size": 4,
-                      "prompt_json": "{}", "metadata": {}}
+                      "prompt_json": "{}", "reference_json": "{}", "metadata": {}}
             producer.send_sync(TOPICS.tasks, record["group_id"], record)
             sent.append(record)
         producer.close()
