@@ -1,7 +1,9 @@
-"""Helpers shared by test suites: serve an ASGI app on a real port, read back what landed on a topic."""
+"""Helpers shared by test suites: serve an ASGI app on a real port, read back what landed on a topic, run the CLI."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,3 +58,10 @@ def until(probe: Callable[[], object], timeout: float, what: str | Callable[[], 
     said = what() if callable(what) else what if what is not None else f"last: {probe()}"
     raise AssertionError(f"{said}: not within {timeout:.0f}s")
 
+
+def cli(env: dict[str, str], *args: str, timeout: float = 180) -> str:
+    """`forge-stream ARGS` as a user runs it, in `env`; its stdout, after asserting it exited 0."""
+    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

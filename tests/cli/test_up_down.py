@@ -14,12 +14,8 @@ from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
+from helpers import cli
 
-def cli(env, *args, timeout=180):
-    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], env=env, capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
 
 
 def test_up_status_down_up_keeps_data(tmp_path):

@@ -13,14 +13,9 @@ import httpx
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
 
+from helpers import cli
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cli(env, *args, timeout=1500):
-    out = subprocess.run([sys.executable, "-m", "forge_stream", *args], env=env, capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
 
 
 def test_up_with_vllm_trains_and_moves_the_served_version(tmp_path):
@@ -29,7 +24,7 @@ def test_up_with_vllm_trains_and_moves_the_served_version(tmp_path):
     env.update(FORGE_HOME=str(tmp_path / "home"), **{f"FORGE_{k}_PORT": str(v) for k, v in ports.items()})
     engine = f"http://127.0.0.1:{ports['ENGINE']}"
     try:
-        up = json.loads(cli(env, "up", "--engine", "vllm", "--json"))
+        up = json.loads(cli(env, "up", "--engine", "vllm", "--json", timeout=1500))
         bootstrap = up["bootstrap_servers"]
         status = json.loads(cli(env, "status", "--json"))
         assert status["services"]["engine"]["state"] == "running"
