@@ -41,6 +41,7 @@ from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
 from forge_stream.kafka.follow import Follower
+from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
@@ -256,9 +257,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
 def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
     log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
              " ".join(settings.vllm_argv()[3:]))
-    return subprocess.Popen(settings.vllm_argv(), env=vllm_env(settings.cache_dir, settings.runtime.target,
-                                                                settings.kv_cache_gib),
-                            start_new_session=True)
+    return start_process(settings.vllm_argv(), new_session=True,
+                         env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib))
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
+from forge_stream.proc import start_process
+
 VLLM_VERSION = "0.32.0"
 Target = Literal["cpu", "gpu"]
 
@@ -112,7 +114,7 @@ def _locked(path: Path):
 def _run(argv: list[str], what: str, echo: Callable[[str], None]) -> None:
     """Run one install step, passing its progress lines on (not uv's list of each package installed)."""
     lines: list[str] = []
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with start_process(argv, subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
             lines.append(line.rstrip())
             if line.strip() and not line.startswith((" + ", " - ", " ~ ")):
