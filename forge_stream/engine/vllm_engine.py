@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import time
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
@@ -184,15 +186,25 @@ async def _relay(request: Request, path: str) -> Response:
         return _error(503, f"vLLM did not answer ({type(exc).__name__}); retry shortly.", "ServiceUnavailableError")
     tag = b'{"policy_version":%d,' % version
     if body.get("stream") and upstream.status == 200:
+        left = False
+
+        def done() -> None:  # once, however the stream ends: to its end, cut off, or never started
+            nonlocal left
+            if not left:
+                left = True
+                upstream.release()
+                state.gate.leave()
+
         async def relay():
             try:
                 async for line in upstream.content:
                     yield b"data: " + tag + line[7:] if line.startswith(b"data: {") else line
             finally:
-                upstream.release()
-                state.gate.leave()
+                done()
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        stream = relay()
+        weakref.finalize(stream, done)  # a caller gone before the stream started: its generator never runs
+        return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(done))
     try:
         content = await upstream.read()
     finally:
