@@ -274,7 +274,8 @@ def _health_state(url: str) -> str:
     if response.status_code < 500:
         return "running"
     try:
-        return "starting" if response.json().get("status") == "starting" else "unhealthy"
+        starting = response.status_code == 503 and response.json().get("status") == "starting"
+        return "starting" if starting else "unhealthy"
     except ValueError:
         return "unhealthy"
 
