@@ -185,7 +185,7 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         "--data-dir", str(settings.home / "processors"),
         "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
         *_flags(opts, ("advantage", "advantage_scale", "gamma", "claim_store", "claim_over_bytes",
-                       "time_reward_weight")),
+                       "time_reward_weight", "group_max_completions", "group_max_tokens")),
         *(a for rule in opts.get("rules", ()) for a in ("--rule", str(rule))),
     )
 

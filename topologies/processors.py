@@ -5,14 +5,15 @@ forge.tasks, forge.sessions, forge.completions, forge.tool_spans, forge.rewards.
 Outputs: forge.trajectories, forge.samples, forge.rewards (the reward components), forge.dlq.
 
 - settings: one ProcessorSettings (reward rules, gamma, advantage mode "rollout" or "turn", timeouts), built by
-  `forge-stream processors run` (--gamma, --advantage, --group-timeout-s) and passed in TopologyConfig.
+  `forge-stream processors run` (--gamma, --advantage, --group-timeout-s, --group-max-completions,
+  --group-max-tokens) and passed in TopologyConfig.
 - agent `groups`: decodes each record (raw bytes, our Avro codec), folds it into the group's state and
   publishes what the fold returns. The state lives in the `groups` table (memory store, rebuilt from its
   compacted changelog topic on restart) in pieces: a header per group plus one entry per record it holds
   (forge_stream.processors.store.GroupStore), so an event writes its own record, never the whole group.
   Undecodable or invalid records become DeadLetters on forge.dlq; processing goes on.
-- timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (first event time plus
-  the timeout, against wall time) and asks agent `timeouts` to close them through the app's internal
+- timer `timeouts`: every `tick_s` scans the table for groups whose deadline passed (last event time plus
+  the timeout, against wall time: an idle group) and asks agent `timeouts` to close them through the app's internal
   `<app_id>-timeouts` topic, on the group's own partition. Faust only lets a stream modify a table, and this
   keeps every table write on the group's partition. A group is closed (and a closed marker forgotten) only once
   the worker has folded everything its partitions held when it fell due, as the read-marks sweep saw their ends

@@ -17,7 +17,11 @@ def run(
     bootstrap_servers: Optional[str] = BootstrapOption,
     data_dir: Optional[Path] = typer.Option(None, help="Worker state directory (default: FORGE_HOME/processors)."),
     app_id: str = typer.Option("forge-processors", help="Names the consumer group, changelog and internal topics."),
-    group_timeout_s: float = typer.Option(600.0, help="Close a group this long after its first event."),
+    group_timeout_s: float = typer.Option(600.0, help="Cut an open group that has had no event for this long (idle, "
+                                                      "whatever its age)."),
+    group_max_completions: int = typer.Option(4096, help="Cut an open group holding more completions than this."),
+    group_max_tokens: int = typer.Option(4_000_000, help="Cut an open group whose completions hold more token ids "
+                                                         "than this (prompt ids as recorded plus completion ids)."),
     gamma: float = typer.Option(1.0, help="Reward-to-go discount (turn advantages)."),
     advantage: str = typer.Option("rollout", help="rollout: GRPO, each rollout's return normalized over the "
                                                   "group's rollouts; turn: reward-to-go normalized over all turns."),
@@ -50,6 +54,7 @@ def run(
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
+                                     group_max_completions=group_max_completions, group_max_tokens=group_max_tokens,
                                      advantage=advantage, advantage_scale=advantage_scale,
                                      time_reward_weight=time_reward_weight,
                                      rules=DEFAULT_RULES + tuple(parse_rule(r) for r in rule)),

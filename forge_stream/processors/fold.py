@@ -12,7 +12,12 @@ the group's events, so a replay re-emits identical records:
   reason (id: deterministic_id("group_skipped", group_id)) on the same topic, so the trainer does not wait on it.
 Completions are read with their prompts whole (`whole_prompts`): a prompt recorded by reference is rebuilt from the
 group's other completions, so the outputs are the same as if every prompt had been recorded whole.
-Their event_time is the group's last event time when it completes, or its deadline when it times out.
+A group is *cut* before it completes when it goes idle (no event for the group timeout: `expire`) or outgrows its
+size bound (at the event that passes it: `fold`); it then closes with the sessions that finished, and when that gives
+no sample its GroupSkipped says which cut it was (`cut`: "idle_timeout" or "size_bound", "" for a group that closed
+complete) and why, in words (`reason`).
+Their event_time is the group's last event time when it completes or outgrows its bound, or its deadline when it
+goes idle.
 An evaluation group (a session started with metadata {"purpose": "eval"}) emits nothing: its state becomes a
 closed marker as soon as that SessionStarted is read, dropping whatever arrived before it.
 """
@@ -20,6 +25,7 @@ closed marker as soon as that SessionStarted is read, dropping whatever arrived 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from forge_stream.events import deterministic_id
 from forge_stream.events.prompts import MissingReference, resolve_prompt, whole
@@ -28,6 +34,9 @@ from forge_stream.processors.rewards import Rollout, Turn, score_group, wall_tim
 from forge_stream.processors.sample import build_sample, trainable
 from forge_stream.processors.settings import ProcessorSettings
 from forge_stream.topics import TOPICS, Topic
+
+
+Cut = Literal["idle_timeout", "size_bound"]
 
 
 @dataclass(frozen=True)
@@ -50,22 +59,27 @@ def fold(state: dict | None, schema: str, record: dict, settings: ProcessorSetti
     if groups.is_eval_start(schema, record):
         return groups.closed_marker(state, state["last_ms"]), []
     if groups.is_complete(state):
-        return close(state, complete=True, settings=settings)
+        return close(state, settings)
+    if schema == "Completion" and (why := groups.over_size(state, settings)):
+        return close(state, settings, "size_bound", why)
     return state, []
 
 
 def expire(state: dict | None, now_ms: int, settings: ProcessorSettings) -> tuple[dict | None, list[Emit]]:
-    """Close an open group whose deadline passed; forget a closed marker after `forget_closed_ms`."""
+    """Cut an open group that has been idle past its deadline; forget a closed marker after `forget_closed_ms`."""
     if state is None or not groups.due(state, now_ms, settings):
         return state, []
     if state["closed"]:
         return None, []
-    return close(state, complete=False, settings=settings)
+    return close(state, settings, "idle_timeout", f"no event for {settings.group_timeout_ms / 1000:g} s")
 
 
-def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dict, list[Emit]]:
-    """Score the done sessions, emit rewards, trajectories and the sample; shrink the state to a closed marker."""
-    closed_ms = state["last_ms"] if complete else groups.deadline_ms(state, settings)
+def close(state: dict, settings: ProcessorSettings, cut: Cut | None = None,
+          why: str = "") -> tuple[dict, list[Emit]]:
+    """Score the done sessions, emit rewards, trajectories and the sample; shrink the state to a closed marker.
+    `cut` says what closed a group that is not complete, `why` the details."""
+    complete = cut is None
+    closed_ms = groups.deadline_ms(state, settings) if cut == "idle_timeout" else state["last_ms"]
     state = {**state, "completions": whole_prompts(state["completions"])}
     done = groups.done_sessions(state)
     missing = sorted(set(state["sessions"]) - set(done))
@@ -92,8 +106,8 @@ def close(state: dict, complete: bool, settings: ProcessorSettings) -> tuple[dic
     else:
         emits.append(Emit(TOPICS.samples, gid, "GroupSkipped", {
             "event_id": deterministic_id("group_skipped", gid), "event_time": closed_ms, "group_id": gid,
-            "task_id": task_id, "task_seq": task_seq, "reason": _skip_reason(state, done, missing),
-            "group_complete": complete, "missing_sessions": missing,
+            "task_id": task_id, "task_seq": task_seq, "reason": _skip_reason(state, done, missing, cut, why),
+            "group_complete": complete, "missing_sessions": missing, "cut": cut or "",
         }))
     return groups.closed_marker(state, closed_ms), emits
 
@@ -112,15 +126,18 @@ def whole_prompts(completions: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _skip_reason(state: dict, done: list[str], missing: list[str]) -> str:
-    """Why a closed group has no sample, in words."""
+def _skip_reason(state: dict, done: list[str], missing: list[str], cut: Cut | None, why: str) -> str:
+    """Why a closed group has no sample, in words: what cut it (if anything did), then what it lacked."""
+    cut_by = {"idle_timeout": f"cut when idle ({why})", "size_bound": f"cut at its size bound ({why})"}.get(cut)
     if state["task"] is None:
-        return "its Task never reached the processors"
-    if not done:
-        return f"no session finished before the group timed out ({len(missing)} started)"
-    failed = sum(state["sessions"][sid]["finished"]["status"] != "ok" for sid in done)
-    return (f"no trainable completion in its {len(done)} finished sessions ({failed} failed"
-            f"{f', {len(missing)} unfinished' if missing else ''})")
+        lacked = "its Task never reached the processors"
+    elif not done:
+        lacked = f"no session finished ({len(missing)} started)"
+    else:
+        failed = sum(state["sessions"][sid]["finished"]["status"] != "ok" for sid in done)
+        lacked = (f"no trainable completion in its {len(done)} finished sessions ({failed} failed"
+                  f"{f', {len(missing)} unfinished' if missing else ''})")
+    return f"{cut_by}: {lacked}" if cut_by else lacked
 
 
 def _task_id(state: dict) -> str:

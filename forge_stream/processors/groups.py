@@ -18,6 +18,10 @@ same span id the explicit one is kept, whatever their order. Rewards published b
 A session started with metadata {"purpose": "eval"} makes its group an evaluation group (`is_eval_start`): the
 fold drops it without any output.
 
+A group still open is *cut* (closed with what finished) when it goes idle, no event for `group_timeout_ms` after its
+last one (`deadline_ms`, against wall time), or when it outgrows `group_max_completions` or `group_max_tokens`
+(`over_size`). Its length in time is not bounded: a long session keeps its group open as long as its events come.
+
 After the group's sample is emitted its state shrinks to a closed marker (`closed_marker`): later and
 replayed events for it are ignored until the marker is forgotten (`forget_closed_ms` after closing).
 """
@@ -132,8 +136,26 @@ def is_complete(state: dict) -> bool:
 
 
 def deadline_ms(state: dict, settings: ProcessorSettings) -> int:
-    """When a still-open group times out: its first event's time plus the timeout (compared with wall time)."""
-    return state["first_ms"] + settings.group_timeout_ms
+    """When a still-open group is cut for being idle: its last event's time plus the timeout (compared with wall
+    time). Each event of the group moves it on."""
+    return state["last_ms"] + settings.group_timeout_ms
+
+
+def held_tokens(state: dict) -> int:
+    """The token ids the group's completions hold: prompt ids as recorded (only the new ones of a prompt recorded by
+    reference) plus completion ids."""
+    return sum(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in state["completions"].values())
+
+
+def over_size(state: dict, settings: ProcessorSettings) -> str | None:
+    """Why an open group has outgrown its size bound, in words (None while it has not)."""
+    count = len(state["completions"])
+    if count > settings.group_max_completions:
+        return f"{count} completions, over the bound of {settings.group_max_completions}"
+    tokens = held_tokens(state)
+    if tokens > settings.group_max_tokens:
+        return f"{tokens} token ids, over the bound of {settings.group_max_tokens}"
+    return None
 
 
 def due_ms(state: dict, settings: ProcessorSettings) -> int:

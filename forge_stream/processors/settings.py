@@ -62,6 +62,11 @@ class ProcessorSettings(BaseModel):
     time_reward_weight: float = 0.0
     success_threshold: float = 0.5  # a rollout is successful when its outcome reward is at least this
     missing_outcome_reward: float = 0.0  # outcome of a session that failed (status != ok) without a grade
-    group_timeout_ms: int = 600_000  # a group still open this long after its first event is closed
+    # an open group with no event for this long (its last event's time against wall time) is cut: idle, not old
+    group_timeout_ms: int = 600_000
+    # an open group that holds more than this is cut at once (forge_stream.processors.groups.over_size): its size is
+    # bounded, not its length in time; tokens count prompt ids as recorded plus completion ids
+    group_max_completions: int = 4096
+    group_max_tokens: int = 4_000_000
     forget_closed_ms: int = 3_600_000  # how long a closed group's marker is kept (late events are ignored)
     source: str = "processors"  # the `source` of the rewards we publish; such rewards are never re-read

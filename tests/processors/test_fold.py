@@ -73,13 +73,95 @@ def test_timeout_closes_with_what_finished():
     partial = [e for e in events if not (e[0] == "SessionFinished" and e[1]["session_id"] == unfinished)]
     state, out = run(partial)
     assert out == []
-    assert expire(state, state["first_ms"] + 59_999, SETTINGS) == (state, [])
-    closed, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    assert expire(state, state["last_ms"] + 59_999, SETTINGS) == (state, [])
+    closed, out = expire(state, state["last_ms"] + 60_000, SETTINGS)
     assert closed["closed"]
     [sample] = by_schema(out, "TrainSample")
-    assert not sample["group_complete"] and sample["event_time"] == state["first_ms"] + 60_000
+    assert not sample["group_complete"] and sample["event_time"] == state["last_ms"] + 60_000
     assert {s["session_id"] for s in sample["sequences"]} == {"g-s0", "g-s1"}
     assert all(t["missing_sessions"] == [unfinished] for t in by_schema(out, "Trajectory"))
+
+
+def _long_session(group_id: str, turns: int, gap_ms: int) -> list[tuple[str, dict]]:
+    """One session of `turns` turns, a completion every `gap_ms` (far apart: a slow agent over hours)."""
+    events = group_events(group_id, group_size=1, turns=turns)
+    start = events[0][1]["event_time"]
+    order = [e for e in events if e[0] in ("Task", "SessionStarted")] + [e for e in events if e[0] == "Completion"]
+    rest = [e for e in events if e not in order]
+    timed = [(schema, {**r, "event_time": start + i * gap_ms}) for i, (schema, r) in enumerate(order)]
+    end = timed[-1][1]["event_time"]
+    return timed + [(schema, {**r, "event_time": end + 1 + i}) for i, (schema, r) in enumerate(rest)]
+
+
+def test_a_group_whose_events_keep_coming_is_not_cut_however_long_it_runs():
+    """Timed out by age (first event + timeout), this group would be cut at its second completion; it goes on as long
+    as no gap between its events reaches the timeout, and completes whole."""
+    events = _long_session("long", turns=40, gap_ms=50_000)  # 40 turns over half an hour, timeout 60 s
+    assert events[-1][1]["event_time"] - events[0][1]["event_time"] > 30 * SETTINGS.group_timeout_ms
+    state, out = None, []
+    for schema, record in events:
+        if state is not None and not state["closed"]:  # the timer fires at each event's time: nothing is due yet
+            assert expire(state, record["event_time"], SETTINGS) == (state, [])
+        state, emitted = fold(state, schema, record, SETTINGS)
+        out.extend(emitted)
+    [sample] = by_schema(out, "TrainSample")
+    assert sample["group_complete"] and by_schema(out, "GroupSkipped") == []
+    assert [len(t["turns"]) for t in by_schema(out, "Trajectory")] == [40]
+
+
+def test_an_idle_group_is_cut_with_its_reason():
+    events = _long_session("idle", turns=6, gap_ms=1_000)
+    open_part = [e for e in events if e[0] in ("Task", "SessionStarted", "Completion")][:5]  # the agent went quiet
+    state, out = run(open_part)
+    assert out == [] and state["last_ms"] == open_part[-1][1]["event_time"]
+    assert expire(state, state["last_ms"] + 59_999, SETTINGS) == (state, [])
+    closed, out = expire(state, state["last_ms"] + 60_000, SETTINGS)
+    [skipped] = by_schema(out, "GroupSkipped")
+    assert closed["closed"] and skipped["cut"] == "idle_timeout" and not skipped["group_complete"]
+    assert skipped["reason"] == "cut when idle (no event for 60 s): no session finished (1 started)"
+    assert skipped["missing_sessions"] == ["idle-s0"] and skipped["event_time"] == state["last_ms"] + 60_000
+    encode("GroupSkipped", skipped)
+
+
+@pytest.mark.parametrize("bound", [{"group_max_completions": 3}, {"group_max_tokens": 100}])
+def test_an_oversized_group_is_cut_at_the_event_that_passes_its_bound(bound):
+    settings = ProcessorSettings(group_timeout_ms=60_000, **bound)
+    events = _long_session("big", turns=8, gap_ms=10)
+    state, out, held, passed = None, [], [], None
+    for schema, record in events:
+        state, emitted = fold(state, schema, record, settings)
+        if schema == "Completion" and passed is None:
+            held.append(len(record["prompt_token_ids"]) + len(record["completion_token_ids"]))
+        if emitted:
+            passed, out = passed or record, out + emitted
+    [skipped] = [e.record for e in out]  # no session finished: no trajectory, no sample
+    assert state["closed"] and skipped["cut"] == "size_bound" and not skipped["group_complete"]
+    assert skipped["event_time"] == passed["event_time"] and passed["completion_id"] == f"big-s0-c{len(held) - 1}"
+    if "group_max_completions" in bound:  # the 4th completion passes the bound of 3
+        assert len(held) == 4 and skipped["reason"] == (
+            "cut at its size bound (4 completions, over the bound of 3): no session finished (1 started)")
+    else:  # the completion whose token ids take the group over 100
+        assert sum(held[:-1]) <= 100 < sum(held)
+        assert skipped["reason"] == (f"cut at its size bound ({sum(held)} token ids, over the bound of 100): "
+                                     "no session finished (1 started)")
+    assert fold(state, *events[-1], settings) == (state, [])  # later events of the group change nothing
+    encode("GroupSkipped", skipped)
+
+
+def test_within_its_bounds_a_group_is_not_cut():
+    events = _long_session("fits", turns=8, gap_ms=10)
+    tokens = sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for s, r in events if s == "Completion")
+    _, out = run_with(events, ProcessorSettings(group_max_completions=8, group_max_tokens=tokens))
+    [sample] = by_schema(out, "TrainSample")
+    assert sample["group_complete"] and by_schema(out, "GroupSkipped") == []
+
+
+def run_with(events, settings):
+    state, outputs = None, []
+    for schema, record in events:
+        state, out = fold(state, schema, record, settings)
+        outputs.extend(out)
+    return state, outputs
 
 
 def test_closed_group_ignores_late_events_then_is_forgotten():
@@ -145,7 +227,7 @@ def test_a_group_whose_sessions_all_failed_is_skipped_at_once_with_the_reason():
     assert state["closed"] and by_schema(out, "TrainSample") == []
     [skipped] = by_schema(out, "GroupSkipped")
     assert skipped["group_complete"] and skipped["task_seq"] == 7 and skipped["missing_sessions"] == []
-    assert "2 finished sessions (2 failed" in skipped["reason"]
+    assert "2 finished sessions (2 failed" in skipped["reason"] and skipped["cut"] == ""
     assert [e.topic.name for e in out if e.schema == "GroupSkipped"] == ["forge.samples"]
     for e in out:
         encode(e.schema, e.record)
@@ -155,16 +237,17 @@ def test_a_group_whose_sessions_were_lost_is_skipped_when_it_times_out():
     events = group_events("g", seq=3, group_size=2)
     state, out = run([e for e in events if e[0] in ("Task", "SessionStarted")])
     assert out == []
-    _, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    _, out = expire(state, state["last_ms"] + 60_000, SETTINGS)
     [skipped] = by_schema(out, "GroupSkipped")
     assert not skipped["group_complete"] and skipped["missing_sessions"] == ["g-s0", "g-s1"]
     assert "no session finished" in skipped["reason"] and skipped["task_seq"] == 3
+    assert skipped["cut"] == "idle_timeout" and skipped["reason"].startswith("cut when idle (no event for 60 s)")
     encode("GroupSkipped", skipped)
 
 
 def test_a_group_without_its_task_is_skipped_when_it_times_out():
     state, _ = run([e for e in group_events("g", group_size=1) if e[0] != "Task"])
-    _, out = expire(state, state["first_ms"] + 60_000, SETTINGS)
+    _, out = expire(state, state["last_ms"] + 60_000, SETTINGS)
     assert by_schema(out, "TrainSample") == []
     [skipped] = by_schema(out, "GroupSkipped")
     assert skipped["task_seq"] == -1 and "Task never" in skipped["reason"]

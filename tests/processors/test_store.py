@@ -93,7 +93,7 @@ def test_timeout_and_forgetting_the_marker_clear_the_tables():
     store = GroupStore(headers, entries)
     stored_run(events, store)
     state, snapshot = store.load("g")
-    due = state["first_ms"] + SETTINGS.group_timeout_ms
+    due = state["last_ms"] + SETTINGS.group_timeout_ms
     new, out = expire(state, due, SETTINGS)
     assert out == expire(whole_run(events)[0], due, SETTINGS)[1] and out
     store.save("g", new, snapshot)
