@@ -9,6 +9,11 @@ service's `hosts:` lists where it runs (one instance per host; a trainer with `n
 per host, its node rank the host's index). `plan` says what runs where (`forge-stream up TOPOLOGY --dry-run`
 prints it); `forge-stream up TOPOLOGY --host NAME` on each host starts that host's share. A service without
 `hosts:` runs on every host that runs `up` without `--host`, i.e. this machine.
+
+A topology also states how the catalog's topics are replicated (`kafka.replication_factor` and
+`kafka.min_insync_replicas`; 1 and 1 when it says nothing, the embedded broker's): `up` creates the topics so and
+checks them, and hands it to every service (FORGE_REPLICATION_FACTOR, FORGE_MIN_INSYNC_REPLICAS), whose start-up
+check refuses topics replicated otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from forge_stream.kafka.admin import check_topics, create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker
 from forge_stream.services import ServiceSpec, Supervisor
 from forge_stream.settings import ForgeSettings
+from forge_stream.topics import EMBEDDED, Replication
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 TOPOLOGY_DIR = REPO_DIR / "topologies"
@@ -39,6 +45,7 @@ class Topology:
     options: dict[str, dict] = field(default_factory=dict)
     hosts: dict[str, list[str]] = field(default_factory=dict)  # service -> the hosts it runs on (none: this one)
     bootstrap_servers: str | None = None  # kafka.bootstrap_servers: an external cluster
+    replication: Replication = EMBEDDED  # kafka.replication_factor and kafka.min_insync_replicas
 
     def with_engine(self, kind: str) -> "Topology":
         """This topology with its engine run as `kind` (`up --engine`)."""
@@ -49,10 +56,12 @@ class Topology:
         return replace(self, options={**self.options, "engine": {**self.options["engine"], "kind": kind}})
 
     def settings_for(self, settings: ForgeSettings) -> ForgeSettings:
-        """The settings with the topology's external cluster, unless --bootstrap-servers named one."""
+        """The settings with the topology's replication and its external cluster, unless --bootstrap-servers named
+        one."""
+        update = {"replication_factor": self.replication.factor, "min_insync_replicas": self.replication.min_insync}
         if self.bootstrap_servers and settings.embedded:
-            return settings.model_copy(update={"bootstrap_servers": self.bootstrap_servers})
-        return settings
+            update["bootstrap_servers"] = self.bootstrap_servers
+        return settings.model_copy(update=update)
 
 
 def load_topology(name_or_path: str) -> Topology:
@@ -77,7 +86,12 @@ def load_topology(name_or_path: str) -> Topology:
         if placed:
             hosts[name] = list(placed)
     kafka = raw.get("kafka") or {}
-    return Topology(raw.get("name", path.stem), services, options, hosts, kafka.get("bootstrap_servers"))
+    factor = int(kafka.get("replication_factor", 1))
+    try:
+        replication = Replication(factor, int(kafka.get("min_insync_replicas", max(1, factor - 1))))
+    except ValueError as exc:
+        raise ValueError(f"{path}: kafka: {exc}") from None
+    return Topology(raw.get("name", path.stem), services, options, hosts, kafka.get("bootstrap_servers"), replication)
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,15 @@ def plan(settings: ForgeSettings, topology: Topology, host: str | None = None) -
                 if len(placed) != int(opts["nnodes"]):
                     raise ValueError(f"trainer: nnodes {opts['nnodes']} but {len(placed)} hosts")
                 opts = {"master_addr": f"{placed[0]}:29500", **opts, "node_rank": rank}
-            out.append(Placement(where, BUILDERS[name](settings, opts)))
+            spec = BUILDERS[name](settings, opts)
+            out.append(Placement(where, replace(spec, env={**replication_env(settings.replication), **spec.env})))
     return out
+
+
+def replication_env(replication: Replication) -> dict[str, str]:
+    """What tells a service the deployment's replication (its start-up check verifies the topics against it)."""
+    return {"FORGE_REPLICATION_FACTOR": str(replication.factor),
+            "FORGE_MIN_INSYNC_REPLICAS": str(replication.min_insync)}
 
 
 def registry_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
@@ -296,7 +317,9 @@ def describe_plan(settings: ForgeSettings, topology: Topology, host: str | None 
             "service": p.spec.name, "command": shlex.join(p.spec.argv), "env": p.spec.env,
             "health": p.spec.health_url})
     return {"topology": topology.name, "kafka": "embedded broker on this machine" if settings.embedded
-            else settings.bootstrap, "hosts": hosts}
+            else settings.bootstrap, "replication": {"factor": settings.replication_factor,
+                                                     "min_insync_replicas": settings.min_insync_replicas},
+            "hosts": hosts}
 
 
 def _all_hosts(topology: Topology) -> list[str]:
@@ -319,8 +342,8 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
         echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
         local_broker(settings).start(echo)
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
-    topics = create_topics(settings.bootstrap)
-    check_topics(settings.bootstrap)
+    topics = create_topics(settings.bootstrap, replication=settings.replication)
+    check_topics(settings.bootstrap, replication=settings.replication)
     settings.record_deployment()  # `status`, `down`, `rollout`... from any shell find this Kafka
     names = [p.spec.name for p in placements]
     if "engine" in names and "model" not in topology.options["engine"]:

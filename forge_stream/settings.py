@@ -10,7 +10,10 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from forge_stream.topics import Replication
+
 KAFKA_FIELDS = ("bootstrap_servers", "kafka_port", "kafka_controller_port")  # which Kafka `up` records
+REPLICATION_FIELDS = ("replication_factor", "min_insync_replicas")  # and how its topics are replicated
 
 
 class ForgeSettings(BaseSettings):
@@ -24,6 +27,8 @@ class ForgeSettings(BaseSettings):
     kafka_port: int = 9092
     kafka_controller_port: int = 9093
     kafka_heap: str = "512m"
+    replication_factor: int = 1  # the deployment's, from its topology (`up` passes it on): checked on every topic
+    min_insync_replicas: int = 1
     registry_port: int = 8081
     gateway_port: int = 8000
     engine_port: int = 8100
@@ -46,6 +51,10 @@ class ForgeSettings(BaseSettings):
         return self.home / "run"
 
     @property
+    def replication(self) -> Replication:
+        return Replication(self.replication_factor, self.min_insync_replicas)
+
+    @property
     def bootstrap(self) -> str:
         return self.bootstrap_servers or f"127.0.0.1:{self.kafka_port}"
 
@@ -60,14 +69,17 @@ class ForgeSettings(BaseSettings):
 
     def record_deployment(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.deployment_file.write_text(json.dumps({k: getattr(self, k) for k in KAFKA_FIELDS}))
+        recorded = {k: getattr(self, k) for k in KAFKA_FIELDS + REPLICATION_FIELDS}
+        self.deployment_file.write_text(json.dumps(recorded))
 
     def as_deployed(self) -> "ForgeSettings":
         """These settings with the Kafka that `up` last used in this home (its embedded broker's ports, or its
-        external cluster), so a later command from a shell without the same FORGE_* variables addresses the
-        running deployment instead of the default port; unchanged if `up` never ran here."""
+        external cluster; and its replication, unless set here), so a later command from a shell without the same
+        FORGE_* variables addresses the running deployment instead of the default port; unchanged if `up` never ran
+        here."""
         try:
             recorded = json.loads(self.deployment_file.read_text())
         except (FileNotFoundError, ValueError):
             return self
-        return self.model_copy(update={k: recorded[k] for k in KAFKA_FIELDS if k in recorded})
+        return self.model_copy(update={k: recorded[k] for k in KAFKA_FIELDS + REPLICATION_FIELDS
+                                       if k in recorded and k not in self.model_fields_set})

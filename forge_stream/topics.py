@@ -7,6 +7,11 @@ Size limits live here too: each topic's `max_message_bytes` (its `max.message.by
 before sending, so an event too large fails at once and by name instead of being refused by the broker), and
 `TOPICS.largest_message_bytes()` sizes the producers' `message.max.bytes`, the local broker's `message.max.bytes`
 and the processors' faust producer.
+
+Replication is the topology's (`Replication`: every catalog topic of a deployment gets the same): how many brokers
+keep each partition and how many of them must hold a record before an `acks=all` producer is told it is written.
+The embedded default runs one broker (`EMBEDDED`, 1/1); `topologies/cluster.yaml` states 3/2 under `kafka:`, so one
+broker of three can be lost without losing or refusing an acknowledged record.
 """
 
 from __future__ import annotations
@@ -16,6 +21,25 @@ from dataclasses import dataclass, field
 FOREVER = -1
 DAY_MS = 24 * 3600 * 1000
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Replication:
+    """A deployment's replication of the catalog's topics: `factor` brokers keep each partition (the replication
+    factor), and a write is acknowledged once `min_insync` of them have it (the topic's `min.insync.replicas`; the
+    producers send with acks=all). With factor F and min_insync M, F - M brokers can be lost with every partition
+    still taking writes, and F - 1 without losing an acknowledged record."""
+
+    factor: int = 1
+    min_insync: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_insync <= self.factor:
+            raise ValueError(f"min.insync.replicas {self.min_insync} must be between 1 and the replication factor "
+                             f"{self.factor}")
+
+
+EMBEDDED = Replication(1, 1)  # the embedded default's single broker
 
 
 @dataclass(frozen=True)
@@ -32,12 +56,14 @@ class Topic:
     extra_config: dict[str, str] = field(default_factory=dict)
     max_message_bytes: int = MiB  # the largest record (value, key and batch framing) the topic takes
 
-    def config(self) -> dict[str, str]:
+    def config(self, replication: Replication = EMBEDDED) -> dict[str, str]:
+        """The topic configs it is created with and checked against, on a deployment replicated as `replication`."""
         return {
             "cleanup.policy": self.cleanup_policy,
             "retention.ms": str(self.retention_ms),
             "message.timestamp.type": "CreateTime",
             "max.message.bytes": str(self.max_message_bytes),
+            "min.insync.replicas": str(replication.min_insync),
             **self.extra_config,
         }
 

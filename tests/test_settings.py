@@ -1,4 +1,5 @@
-"""Which Kafka a command addresses: its flag, then FORGE_* variables, then what `up` last ran the home on."""
+"""Which Kafka a command addresses, and the replication it checks the topics for: its flag, then FORGE_* variables,
+then what `up` last ran the home on."""
 
 import pytest
 
@@ -8,7 +9,8 @@ from forge_stream.settings import ForgeSettings
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    for name in ("FORGE_BOOTSTRAP_SERVERS", "FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT"):
+    for name in ("FORGE_BOOTSTRAP_SERVERS", "FORGE_KAFKA_PORT", "FORGE_KAFKA_CONTROLLER_PORT",
+                 "FORGE_REPLICATION_FACTOR", "FORGE_MIN_INSYNC_REPLICAS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FORGE_HOME", str(tmp_path))
     return tmp_path
@@ -27,9 +29,12 @@ def test_a_command_finds_the_embedded_broker_up_started_on_another_port(home, mo
     assert settings().bootstrap == "127.0.0.1:29092"  # and so does the environment
 
 
-def test_a_command_finds_the_external_cluster_up_ran_on(home):
-    ForgeSettings(bootstrap_servers="k1:9092,k2:9092").record_deployment()
+def test_a_command_finds_the_external_cluster_up_ran_on(home, monkeypatch):
+    ForgeSettings(bootstrap_servers="k1:9092,k2:9092", replication_factor=3, min_insync_replicas=2).record_deployment()
     assert settings().bootstrap == "k1:9092,k2:9092" and not settings().embedded
+    assert (settings().replication.factor, settings().replication.min_insync) == (3, 2)  # what its topics are checked on
+    monkeypatch.setenv("FORGE_MIN_INSYNC_REPLICAS", "3")
+    assert (settings().replication.factor, settings().replication.min_insync) == (3, 3)  # the environment wins
 
 
 def test_an_unreadable_record_is_ignored(home):

@@ -39,7 +39,9 @@ at once. A group's outputs are acknowledged by Kafka *before* its closed marker 
 a crash either left the group open (a replay closes it again and re-emits identical records: same ids,
 same content) or already published everything. Consumers downstream deduplicate on event_id. Offsets are
 committed only once every table write before them was handed to the Kafka client and acknowledged
-(`_DrainingBuffer` fixes faust's producer-buffer flush, which could return with writes still queued).
+(`_DrainingBuffer` fixes faust's producer-buffer flush, which could return with writes still queued). The
+producer is idempotent with acks=all (`_IdempotentProducer`), like every producer of forge-stream, and the topics
+faust creates are replicated as the deployment's catalog (`TopologyConfig.replication`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import faust
+from faust.transport.drivers.aiokafka import Producer as AiokafkaProducer
 
 from forge_stream.events import DecodeError, decode, encode, now_ms
 from forge_stream.events.claims import CLAIM_OVER_BYTES, ClaimStore, claim_record
@@ -60,7 +63,7 @@ from forge_stream.processors import Emit, InvalidEvent, ProcessorSettings, expir
 from forge_stream.processors.groups import due, due_ms
 from forge_stream.processors.progress import EndsSeen
 from forge_stream.processors.store import GroupStore, MissingEntry, is_group, mark_key
-from forge_stream.topics import TOPICS, ROLLOUT_PARTITIONS
+from forge_stream.topics import EMBEDDED, TOPICS, ROLLOUT_PARTITIONS, Replication
 
 INPUTS = (TOPICS.tasks, TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
 OUTPUTS = (TOPICS.trajectories, TOPICS.samples, TOPICS.rewards, TOPICS.dlq)
@@ -77,7 +80,7 @@ class TopologyConfig:
     tick_s: float = 1.0
     offset_reset: str = "earliest"  # where a new consumer group starts: earliest or latest
     commit_interval_s: float = 0.5
-    replication_factor: int = 1  # of the changelog and internal topics faust creates (the cluster's: see cli)
+    replication: Replication = EMBEDDED  # the deployment's: of the changelog and internal topics faust creates too
     claim_store: str | None = None  # fsspec URL of the claim-check store (None: data_dir/claims)
     claim_over_bytes: int = CLAIM_OVER_BYTES  # a TrainSample encoded larger than this goes as a SampleClaim
     sweep_s: float = 10.0  # how often the read marks are compared with committed offsets and ends (see `sweep`)
@@ -87,17 +90,20 @@ def build_app(config: TopologyConfig) -> faust.App:
     _DrainingBuffer.install()
     app = faust.App(
         config.app_id, broker=f"kafka://{config.bootstrap}", store="memory://", datadir=str(config.data_dir),
-        topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=config.replication_factor,
+        topic_partitions=ROLLOUT_PARTITIONS, topic_replication_factor=config.replication.factor,
         table_standby_replicas=0,
         web_enabled=False, stream_wait_empty=False, consumer_auto_offset_reset=config.offset_reset,
         broker_session_timeout=10.0, broker_heartbeat_interval=1.0, broker_commit_interval=config.commit_interval_s,
         producer_acks=-1, producer_max_request_size=TOPICS.largest_message_bytes(),
     )
+    app.transport.Producer = _IdempotentProducer
     settings = config.processors
+    in_sync = {"min.insync.replicas": str(config.replication.min_insync)}  # the topics faust creates, as the catalog's
     inputs = app.topic(*(t.name for t in INPUTS), **RAW)
-    timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, **RAW)
+    timeouts = app.topic(f"{config.app_id}-timeouts", partitions=ROLLOUT_PARTITIONS, internal=True, config=in_sync,
+                         **RAW)
     outputs = {t.name: app.topic(t.name, **RAW) for t in OUTPUTS}
-    groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str)
+    groups = app.Table("groups", partitions=ROLLOUT_PARTITIONS, key_type=str, extra_topic_configs=in_sync)
     store = GroupStore(groups, groups)  # a header per group plus an entry per record, one changelog
     lock = asyncio.Lock()
 
@@ -276,6 +282,17 @@ def build_app(config: TopologyConfig) -> faust.App:
                 {"sweep": topic, "partition": partition, "stop": stop}).encode())
 
     return app
+
+
+class _IdempotentProducer(AiokafkaProducer):
+    """faust's aiokafka producer with idempotence on, as every producer of forge-stream (faust turns it on only
+    inside its own transactions, which the processors do not use): a send that aiokafka retries after a broker
+    failover is written once, and in order, instead of twice. Its partitioner stays aiokafka's default, murmur2 as
+    Kafka's Java client (forge_stream.kafka.partitioner); the processors pass the partition of every output but
+    dead letters."""
+
+    def _settings_extra(self):
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
 
 class _DrainingBuffer:

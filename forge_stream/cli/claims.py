@@ -35,7 +35,7 @@ def gc(
     from forge_stream.events.claims import ClaimStore
 
     cfg = settings(bootstrap_servers)
-    ready_kafka(cfg.bootstrap)
+    ready_kafka(cfg)
     url = store or str(Path(cfg.home).resolve() / "processors" / "claims")
     names = referenced(cfg.bootstrap)
     result = ClaimStore(url).collect(names, grace_s=grace_hours * 3600, dry_run=dry_run)

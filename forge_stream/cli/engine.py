@@ -43,9 +43,10 @@ def serve(
     from forge_stream.engine.api import create_app
     from forge_stream.engine.serving import EngineService
     from forge_stream.engine.settings import EngineSettings
+    from forge_stream.settings import ForgeSettings
 
     if bootstrap_servers:
-        ready_kafka(bootstrap_servers)
+        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
     settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                               policy_version=policy_version, max_batch_size=max_batch_size,
                               max_model_len=max_model_len, dtype=dtype, device=device,
@@ -110,7 +111,7 @@ def vllm(
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if bootstrap_servers:
-        ready_kafka(bootstrap_servers)
+        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
     cache_dir = ForgeSettings().cache_dir
     try:
         runtime = ensure_runtime(cache_dir, echo=logging.getLogger("forge_stream.engine").info)

@@ -67,8 +67,9 @@ def serve(
     from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
     from forge_stream.gateway.workers import bind_port, run_workers
 
-    bootstrap = settings(bootstrap_servers).bootstrap
-    ready_kafka(bootstrap)
+    cfg = settings(bootstrap_servers)
+    bootstrap = cfg.bootstrap
+    ready_kafka(cfg)
     gateway = GatewaySettings(
         engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
         public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,

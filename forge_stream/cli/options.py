@@ -36,13 +36,14 @@ def task_source(spec: str) -> Iterable:
     return source
 
 
-def ready_kafka(bootstrap: str) -> None:
+def ready_kafka(cfg: ForgeSettings) -> None:
     """What a service does before it starts: wait for Kafka (however long it is away), then refuse to run, with
-    the fixing command, on topics unlike the catalog (exit status 3)."""
+    the fixing command, on topics unlike the catalog or replicated otherwise than the deployment says (exit
+    status 3)."""
     from forge_stream.kafka.admin import TopicMismatch, ready_topics
 
     try:
-        ready_topics(bootstrap, echo=lambda line: typer.echo(line, err=True))
+        ready_topics(cfg.bootstrap, echo=lambda line: typer.echo(line, err=True), replication=cfg.replication)
     except TopicMismatch as exc:
         typer.echo(f"refusing to start: {exc}", err=True)
         raise typer.Exit(3)

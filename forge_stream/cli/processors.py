@@ -44,13 +44,12 @@ def run(
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
 ) -> None:
     """Run the processors worker until stopped."""
-    from forge_stream.kafka.admin import cluster_replication_factor
     from forge_stream.processors import ProcessorSettings
     from forge_stream.processors.settings import DEFAULT_RULES, parse_rule
     from topologies.processors import TopologyConfig, run_worker
 
     forge = settings(bootstrap_servers)
-    ready_kafka(forge.bootstrap)
+    ready_kafka(forge)
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,
@@ -58,7 +57,7 @@ def run(
                                      advantage=advantage, advantage_scale=advantage_scale,
                                      time_reward_weight=time_reward_weight,
                                      rules=DEFAULT_RULES + tuple(parse_rule(r) for r in rule)),
-        tick_s=tick_s, offset_reset=offset_reset, replication_factor=cluster_replication_factor(forge.bootstrap),
+        tick_s=tick_s, offset_reset=offset_reset, replication=forge.replication,
         claim_store=claim_store, claim_over_bytes=claim_over_bytes,
     )
     run_worker(config, loglevel)

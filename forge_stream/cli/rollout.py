@@ -83,7 +83,7 @@ def run(
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = task_source(tasks)
     cfg = settings(bootstrap_servers)
-    ready_kafka(cfg.bootstrap)
+    ready_kafka(cfg)
     if group_size is not None:
         source = ResizedTasks(source, group_size)
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,

@@ -74,7 +74,7 @@ def train(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
     if ranks is None or ranks.is_main:
-        ready_kafka(cfg.bootstrap)
+        ready_kafka(cfg)
     scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
                                   window=parse_window(window), rollout_slots=rollout_slots,
                                   group_timeout_s=group_timeout, max_staleness=max_staleness,

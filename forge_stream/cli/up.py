@@ -56,7 +56,9 @@ def _print_plan(result: dict, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(result))
         return
-    typer.echo(f"topology {result['topology']}: Kafka {result['kafka']}")
+    replication = result["replication"]
+    typer.echo(f"topology {result['topology']}: Kafka {result['kafka']} (topics: replication factor "
+               f"{replication['factor']}, min.insync.replicas {replication['min_insync_replicas']})")
     for host, services in result["hosts"].items():
         typer.echo(f"\n{host}:" + ("" if host == "(this machine)" else f"  forge-stream up {result['topology']} "
                                                                         f"--host {host}"))

@@ -3,7 +3,9 @@ there.
 
 `check_topics` is what `up` and every service run at start: each catalog topic must exist with the catalog's
 partition count and configs (a topic auto-created with one partition would split a group's events, and faust
-refuses co-partitioned topics that differ), and a mismatch is refused with the command that fixes it.
+refuses co-partitioned topics that differ) and with the deployment's replication (`forge_stream.topics.Replication`:
+the replication factor, and `min.insync.replicas` among the configs; a topic kept by one broker loses what that
+broker had when it dies). A mismatch is refused with the command that fixes it.
 `describe` backs `forge-stream status`: broker reachability, topics with partitions and end offsets, and the
 lag of every consumer group.
 """
@@ -18,10 +20,11 @@ from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaExcepti
 from confluent_kafka.admin import (AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic,
                                   ResourceType)
 
-from forge_stream.topics import TOPICS, Topic
+from forge_stream.topics import EMBEDDED, TOPICS, Replication, Topic
 
 
 QUIET = {"log_level": 0}  # librdkafka would print a line per reconnect attempt when the broker is down
+PROBLEMS = ("missing", "partitions", "replication", "configs")
 
 
 class TopicMismatch(RuntimeError):
@@ -32,16 +35,31 @@ def admin_client(bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": bootstrap, **QUIET})
 
 
-def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> dict[str, str]:
-    """Create every catalog topic that is missing; returns {name: "created" | "exists"}."""
+def topics_command(command: str, bootstrap: str, replication: Replication) -> str:
+    """The `forge-stream topics COMMAND` line that works on this cluster with this replication."""
+    flags = ("" if replication == EMBEDDED else
+             f" --replication-factor {replication.factor} --min-insync-replicas {replication.min_insync}")
+    return f"forge-stream topics {command} -b {bootstrap}{flags}"
+
+
+def create_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0,
+                  replication: Replication = EMBEDDED) -> dict[str, str]:
+    """Create every catalog topic that is missing, replicated as `replication`; returns {name: "created" |
+    "exists"}. TopicMismatch when the cluster has fewer brokers than the replication factor."""
     admin = admin_client(bootstrap)
     topics = topics or TOPICS.all()
-    existing = set(admin.list_topics(timeout=timeout).topics)
-    wanted = [t for t in topics if t.name not in existing]
-    result = {t.name: "exists" for t in topics if t.name in existing}
+    metadata = admin.list_topics(timeout=timeout)
+    wanted = [t for t in topics if t.name not in metadata.topics]
+    result = {t.name: "exists" for t in topics if t.name in metadata.topics}
+    if wanted and len(metadata.brokers) < replication.factor:
+        raise TopicMismatch(
+            f"the deployment's replication factor is {replication.factor}, but the Kafka cluster at {bootstrap} has "
+            f"{len(metadata.brokers)} broker(s): start the missing brokers, or deploy with a replication factor of at "
+            f"most {len(metadata.brokers)} (the topology's kafka.replication_factor)")
     if wanted:
         futures = admin.create_topics(
-            [NewTopic(t.name, num_partitions=t.partitions, replication_factor=-1, config=t.config()) for t in wanted],
+            [NewTopic(t.name, num_partitions=t.partitions, replication_factor=replication.factor,
+                      config=t.config(replication)) for t in wanted],
             request_timeout=timeout,
         )
         for name, future in futures.items():
@@ -69,22 +87,20 @@ def scratch_topic(bootstrap: str, name: str, partitions: int, timeout: float = 3
             future.result()
 
 
-def cluster_replication_factor(bootstrap: str, timeout: float = 30.0) -> int:
-    """The replication factor topics get on this cluster: a broker's `default.replication.factor`, at most the
-    number of brokers (what the catalog's topics are created with; stream processors' changelogs use it too)."""
-    admin = admin_client(bootstrap)
-    brokers = admin.list_topics(timeout=timeout).brokers
-    resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
-    configs = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout=timeout)
-    return max(1, min(len(brokers), int(configs["default.replication.factor"].value)))
+def _factors(partitions: dict) -> str:
+    """The replication factor of a topic's partitions as metadata shows them: "3", or "1 to 3" when they differ."""
+    counts = sorted({len(p.replicas) for p in partitions.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
 
 
-def topic_problems(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> dict[str, list[str]]:
-    """What differs from the catalog, per topic: {"missing": [...], "partitions": [...], "configs": [...]}."""
+def topic_problems(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0,
+                   replication: Replication = EMBEDDED) -> dict[str, list[str]]:
+    """What differs from the catalog and the deployment's replication, per topic: {"missing": [...],
+    "partitions": [...], "replication": [...], "configs": [...]} (min.insync.replicas is among the configs)."""
     admin = admin_client(bootstrap)
     topics = topics or TOPICS.all()
     metadata = admin.list_topics(timeout=timeout)
-    problems: dict[str, list[str]] = {"missing": [], "partitions": [], "configs": []}
+    problems: dict[str, list[str]] = {kind: [] for kind in PROBLEMS}
     present = []
     for t in topics:
         meta = metadata.topics.get(t.name)
@@ -95,44 +111,61 @@ def topic_problems(bootstrap: str, topics: list[Topic] | None = None, timeout: f
         if len(meta.partitions) != t.partitions:
             problems["partitions"].append(f"{t.name} has {len(meta.partitions)} partition(s); the catalog says "
                                           f"{t.partitions}")
+        factors = _factors(meta.partitions)
+        if factors != str(replication.factor):
+            problems["replication"].append(f"{t.name} has replication factor {factors}; the deployment says "
+                                           f"{replication.factor}")
     if present:
         futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t.name) for t in present],
                                          request_timeout=timeout)
         by_name = {t.name: t for t in present}
         for resource, future in futures.items():
             have = future.result()
-            for key, want in by_name[resource.name].config().items():
+            for key, want in by_name[resource.name].config(replication).items():
                 value = have[key].value if key in have else None
                 if value != want:
-                    problems["configs"].append(f"{resource.name} has {key}={value}; the catalog says {want}")
+                    said = "the deployment says" if key == "min.insync.replicas" else "the catalog says"
+                    problems["configs"].append(f"{resource.name} has {key}={value}; {said} {want}")
     return problems
 
 
-def check_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0) -> None:
-    """Raise TopicMismatch, saying how to fix it, unless every catalog topic is as the catalog says."""
-    problems = topic_problems(bootstrap, topics, timeout)
+def check_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: float = 30.0,
+                 replication: Replication = EMBEDDED) -> None:
+    """Raise TopicMismatch, saying how to fix it, unless every catalog topic is as the catalog says and replicated
+    as `replication` says."""
+    problems = topic_problems(bootstrap, topics, timeout, replication)
     if not any(problems.values()):
         return
-    lines = [f"the topics on Kafka at {bootstrap} differ from forge-stream's catalog:"]
-    lines += [f"  - {p}" for kind in ("missing", "partitions", "configs") for p in problems[kind]]
+    lines = [f"the topics on Kafka at {bootstrap} differ from forge-stream's catalog (replication factor "
+             f"{replication.factor}, min.insync.replicas {replication.min_insync}):"]
+    lines += [f"  - {p}" for kind in PROBLEMS for p in problems[kind]]
     if problems["missing"]:
-        lines.append(f"Create the missing topics: forge-stream topics create -b {bootstrap}")
+        lines.append(f"Create the missing topics: {topics_command('create', bootstrap, replication)}")
     if problems["configs"]:
-        lines.append(f"Set the catalog's configs: forge-stream topics repair -b {bootstrap}")
+        lines.append(f"Set the configs: {topics_command('repair', bootstrap, replication)}")
     if problems["partitions"]:
         lines.append("A topic's partition count cannot be lowered, and raising it moves keys to other partitions "
                      "(a group's events must share one). Delete and recreate those topics, losing their records "
-                     f"(stop the services first): forge-stream topics repair --recreate -b {bootstrap}")
+                     f"(stop the services first): {topics_command('repair --recreate', bootstrap, replication)}")
+    if problems["replication"]:
+        lines.append("A replication factor is not a topic config: raise it in place with a partition reassignment "
+                     "(Kafka's kafka-reassign-partitions.sh), or delete and recreate those topics, losing their "
+                     f"records (stop the services first): {topics_command('repair --recreate', bootstrap, replication)}")
+    if problems["replication"] or any("min.insync.replicas" in p for p in problems["configs"]):
+        lines.append("The deployment's replication is its topology's (kafka.replication_factor and "
+                     "kafka.min_insync_replicas; `up` hands it to the services): a command run by hand takes it "
+                     "from FORGE_REPLICATION_FACTOR and FORGE_MIN_INSYNC_REPLICAS (default 1 and 1).")
     raise TopicMismatch("\n".join(lines))
 
 
-def repair_topics(bootstrap: str, recreate: bool = False, timeout: float = 60.0) -> dict[str, str]:
+def repair_topics(bootstrap: str, recreate: bool = False, timeout: float = 60.0,
+                  replication: Replication = EMBEDDED) -> dict[str, str]:
     """Create missing topics, set configs that differ, and (with `recreate`) delete and recreate the topics whose
-    partition count differs; returns {name: what was done}."""
+    partition count or replication factor differs; returns {name: what was done}."""
     admin = admin_client(bootstrap)
     done: dict[str, str] = {}
-    problems = topic_problems(bootstrap, timeout=timeout)
-    wrong = [p.split(" ", 1)[0] for p in problems["partitions"]]
+    problems = topic_problems(bootstrap, timeout=timeout, replication=replication)
+    wrong = sorted({p.split(" ", 1)[0] for p in problems["partitions"] + problems["replication"]})
     if wrong and recreate:
         for future in admin.delete_topics(wrong, operation_timeout=timeout).values():
             future.result()
@@ -140,13 +173,14 @@ def repair_topics(bootstrap: str, recreate: bool = False, timeout: float = 60.0)
         while set(wrong) & set(admin.list_topics(timeout=timeout).topics) and time.monotonic() < deadline:
             time.sleep(0.5)
         done.update({name: "recreated" for name in wrong})
-    for name, result in create_topics(bootstrap, timeout=timeout).items():
+    for name, result in create_topics(bootstrap, timeout=timeout, replication=replication).items():
         if result == "created":
             done.setdefault(name, "created")
-    configs = [p.split(" ", 1)[0] for p in topic_problems(bootstrap, timeout=timeout)["configs"]]
+    configs = [p.split(" ", 1)[0] for p in topic_problems(bootstrap, timeout=timeout,
+                                                          replication=replication)["configs"]]
     if configs:
         resources = [ConfigResource(ResourceType.TOPIC, t.name, incremental_configs=[
-            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in t.config().items()])
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in t.config(replication).items()])
             for t in TOPICS.all() if t.name in configs]
         for resource, future in admin.incremental_alter_configs(resources, request_timeout=timeout).items():
             future.result()
@@ -173,22 +207,24 @@ def wait_for_kafka(bootstrap: str, echo=print, timeout: float | None = None) -> 
         time.sleep(1.0)
 
 
-def ready_topics(bootstrap: str, echo=print, missing_wait_s: float = 60.0) -> None:
+def ready_topics(bootstrap: str, echo=print, missing_wait_s: float = 60.0,
+                 replication: Replication = EMBEDDED) -> None:
     """What a service does before it starts: wait for Kafka, give missing topics `missing_wait_s` to be created
-    (`up` or a `topics create` job may be at it), then refuse to run on topics unlike the catalog."""
+    (`up` or a `topics create` job may be at it), then refuse to run on topics unlike the catalog or replicated
+    otherwise than `replication` says."""
     wait_for_kafka(bootstrap, echo)
     deadline = time.monotonic() + missing_wait_s
     told = False
     while time.monotonic() < deadline:
-        problems = topic_problems(bootstrap)
-        if not problems["missing"] or problems["partitions"] or problems["configs"]:
+        problems = topic_problems(bootstrap, replication=replication)
+        if not problems["missing"] or any(problems[kind] for kind in PROBLEMS if kind != "missing"):
             break
         if not told:
             echo(f"waiting for the catalog's topics ({problems['missing'][0]}; `forge-stream topics create` "
                  "makes them)")
             told = True
         time.sleep(2.0)
-    check_topics(bootstrap)
+    check_topics(bootstrap, replication=replication)
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:

@@ -1,5 +1,6 @@
-"""Shipped topologies: every flag a service builder passes is one its command takes, and a topology across hosts
-(topologies/cluster.yaml) places each service where it says, which `forge-stream up --dry-run` prints."""
+"""Shipped topologies: every flag a service builder passes is one its command takes, a topology across hosts
+(topologies/cluster.yaml) places each service where it says, which `forge-stream up --dry-run` prints, and each
+topology's replication reaches every service it starts."""
 
 import json
 import subprocess
@@ -11,6 +12,7 @@ import typer.main
 from forge_stream.cli import app
 from forge_stream.deploy import TOPOLOGY_DIR, load_topology, plan, up
 from forge_stream.settings import ForgeSettings
+from forge_stream.topics import EMBEDDED, Replication
 
 SETTINGS = ForgeSettings(bootstrap_servers="127.0.0.1:1234")
 
@@ -92,3 +94,21 @@ def test_up_dry_run_prints_what_runs_where_and_starts_nothing(tmp_path):
     assert text.returncode == 0 and "embedded broker" in text.stdout and "(this machine)" in text.stdout
     assert [line.split()[0] for line in text.stdout.splitlines() if line.startswith("  ")] == [
         "registry", "engine", "gateway", "processors", "trainer"]
+
+
+def test_a_topology_states_its_replication_and_every_service_is_told_it(tmp_path):
+    expected = {"local": EMBEDDED, "learn": EMBEDDED, "infra": EMBEDDED, "cluster": Replication(3, 2)}
+    for name, replication in expected.items():
+        topology = load_topology(name)
+        assert topology.replication == replication, name
+        assert topology.settings_for(SETTINGS).replication == replication
+        hosts = [None, *dict.fromkeys(h for hs in topology.hosts.values() for h in hs)]
+        for placement in (p for host in hosts for p in plan(SETTINGS, topology, host)):
+            env = placement.spec.env
+            assert (env["FORGE_REPLICATION_FACTOR"], env["FORGE_MIN_INSYNC_REPLICAS"]) == (
+                str(replication.factor), str(replication.min_insync)), (name, placement.spec.name)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("name: wrong\nkafka:\n  replication_factor: 2\n  min_insync_replicas: 3\nservices: [registry]\n")
+    with pytest.raises(ValueError, match="wrong.yaml: kafka: min.insync.replicas 3 must be between 1 and the "
+                                         "replication factor 2"):
+        load_topology(str(wrong))

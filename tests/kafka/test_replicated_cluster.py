@@ -14,13 +14,13 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.gateway.settings import GatewaySettings
-from forge_stream.kafka.admin import cluster_replication_factor, create_topics
+from forge_stream.kafka.admin import TopicMismatch, check_topics, create_topics
 from forge_stream.kafka.broker import LocalCluster
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.scheduler.consumer import SchedulerSettings, WindowedConsumer, start_at_end
 from forge_stream.settings import ForgeSettings
-from forge_stream.topics import TOPICS
+from forge_stream.topics import EMBEDDED, TOPICS, Replication
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))
 from helpers import serving, until  # noqa: E402
@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), ForgeSettings().cache_dir, nodes=3)
     try:
         cluster.start()
-        create_topics(cluster.bootstrap)
+        create_topics(cluster.bootstrap, replication=Replication(3, 2))  # cluster.yaml's
         yield cluster
     finally:
         cluster.stop()
@@ -56,7 +56,9 @@ def test_the_catalog_is_replicated_three_ways_with_two_in_sync(cluster):
     resource = ConfigResource(ConfigResource.Type.TOPIC, TOPICS.completions.name)
     configs = admin.describe_configs([resource])[resource].result(timeout=10)
     assert configs["min.insync.replicas"].value == "2"
-    assert cluster_replication_factor(cluster.bootstrap) == 3  # what the processors' changelogs are created with
+    check_topics(cluster.bootstrap, replication=Replication(3, 2))  # what `up cluster` and its services check
+    with pytest.raises(TopicMismatch, match="forge.completions has replication factor 3; the deployment says 1"):
+        check_topics(cluster.bootstrap, replication=EMBEDDED)
 
 
 class Agents(threading.Thread):

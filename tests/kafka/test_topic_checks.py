@@ -1,5 +1,6 @@
 """Topics come from the catalog only: the embedded broker creates none on its own, start-up refuses topics unlike
-the catalog (saying how to fix them, and the fix works), and a Kafka outage is waited out, not fatal."""
+the catalog or replicated otherwise than the deployment says (saying how to fix them, and the fix works), and a
+Kafka outage is waited out, not fatal."""
 
 import json
 import os
@@ -13,12 +14,12 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
-from forge_stream.kafka.admin import admin_client, check_topics, create_topics, repair_topics
+from forge_stream.kafka.admin import TopicMismatch, admin_client, check_topics, create_topics, repair_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.kafka.consumer import dead_letter
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.settings import ForgeSettings
-from forge_stream.topics import TOPICS
+from forge_stream.topics import TOPICS, Replication, Topic
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,39 @@ def test_wrong_topics_make_start_up_refuse_with_the_fix(own_broker, tmp_path):
     assert json.loads(repaired.stdout) == {TOPICS.tool_spans.name: "recreated", TOPICS.dlq.name: "configs set"}
     check_topics(bootstrap)
     assert len(admin.list_topics(timeout=10).topics[TOPICS.tool_spans.name].partitions) == TOPICS.tool_spans.partitions
+
+
+def test_topics_replicated_otherwise_than_the_deployment_says_are_refused(kafka_bootstrap, tmp_path):
+    """A deployment stated at replication factor 3 / min.insync.replicas 2 (cluster.yaml's) on topics kept by one
+    broker: `up` refuses, and so does a service told that replication (as `up` tells it), each naming the topic,
+    what it has, what it needs and the fix; `topics create` refuses a factor the cluster has too few brokers for."""
+    env = {**_env(tmp_path), "FORGE_REPLICATION_FACTOR": "3", "FORGE_MIN_INSYNC_REPLICAS": "2"}
+    topology = tmp_path / "replicated.yaml"
+    topology.write_text("name: replicated\nkafka:\n  replication_factor: 3\n  min_insync_replicas: 2\n"
+                        "services:\n  - registry\n")
+    fix = f"forge-stream topics repair --recreate -b {kafka_bootstrap} --replication-factor 3 --min-insync-replicas 2"
+    up = subprocess.run([sys.executable, "-m", "forge_stream", "up", str(topology), "-b", kafka_bootstrap],
+                        env=_env(tmp_path), capture_output=True, text=True, timeout=180)
+    worker = subprocess.run([sys.executable, "-m", "forge_stream", "processors", "run", "-b", kafka_bootstrap,
+                             "--data-dir", str(tmp_path / "processors")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert up.returncode == 1 and worker.returncode == 3, (up.stderr, worker.stderr)
+    assert "refusing to start" in worker.stderr
+    for refused in (up.stderr, worker.stderr):
+        for topic in TOPICS.all():
+            assert f"{topic.name} has replication factor 1; the deployment says 3" in refused
+            assert f"{topic.name} has min.insync.replicas=1; the deployment says 2" in refused
+        assert fix in refused and "kafka-reassign-partitions" in refused
+    assert not (tmp_path / "home" / "run" / "services.json").exists()  # nothing was started
+
+    created = subprocess.run([sys.executable, "-m", "forge_stream", "topics", "create", "-b", kafka_bootstrap,
+                              "--replication-factor", "3"], env=_env(tmp_path), capture_output=True, text=True,
+                             timeout=120)
+    assert created.returncode == 0, created.stderr  # every topic exists: nothing to create
+    check_topics(kafka_bootstrap)  # the shared broker's topics are as the embedded default says (1/1)
+    with pytest.raises(TopicMismatch, match="replication factor is 3, but the Kafka cluster at .* has 1 broker"):
+        create_topics(kafka_bootstrap, [Topic(f"forge.test-rf3-{os.getpid()}", "k", ("Task",), 1, 1000, (), ())],
+                      replication=Replication(3, 2))
 
 
 def test_a_kafka_outage_is_waited_out(own_broker, tmp_path):

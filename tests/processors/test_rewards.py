@@ -98,11 +98,9 @@ def test_the_processors_command_takes_the_time_reward_weight(monkeypatch):
 
     from forge_stream.cli import app
     from forge_stream.cli import processors as command
-    from forge_stream.kafka import admin
 
     seen = []
-    monkeypatch.setattr(command, "ready_kafka", lambda bootstrap: None)
-    monkeypatch.setattr(admin, "cluster_replication_factor", lambda bootstrap: 1)
+    monkeypatch.setattr(command, "ready_kafka", lambda cfg: None)
     monkeypatch.setattr(topologies.processors, "run_worker", lambda config, loglevel: seen.append(config.processors))
     for extra in ([], ["--time-reward-weight", "0.1"]):
         result = CliRunner().invoke(app, ["processors", "run", "--bootstrap-servers", "127.0.0.1:1", *extra])
