@@ -1,4 +1,5 @@
-"""The event producer: Avro-encodes catalog events and sends them with acks=all and idempotence.
+"""The event producer: Avro-encodes catalog events and sends them with acks=all and idempotence, to the partition
+Kafka's Java client would pick for their key (librdkafka's `murmur2_random`: forge_stream.kafka.partitioner).
 
 `send` returns an asyncio future that resolves only once Kafka acknowledged the record, so a server can answer
 its caller after the event is durable and never before. `send_sync` is the same for scripts. The acknowledgements
@@ -36,6 +37,7 @@ def producer_config(bootstrap: str, **overrides) -> dict:
         "bootstrap.servers": bootstrap,
         "enable.idempotence": True,
         "acks": "all",
+        "partitioner": "murmur2_random",  # keyed: murmur2 as Java's and aiokafka's default (not librdkafka's CRC32)
         "linger.ms": 2,
         "compression.type": "lz4",
         "message.timeout.ms": 15000,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import DecodeError, decode, peek
 from forge_stream.kafka.consumer import Event, event_of, low_high, offset_at_time
+from forge_stream.kafka.partitioner import partition_for
 from forge_stream.topics import Topic
 
 
@@ -66,9 +66,8 @@ class PartitionReader:
         return self._partitions[topic.name]
 
     def partition_of(self, topic: Topic, key: str) -> int:
-        """The partition the producers' partitioner (librdkafka's default, consistent_random: CRC32 of the key)
-        puts `key` in."""
-        return zlib.crc32(key.encode()) % self.partitions(topic)
+        """The partition every producer puts `key` in (murmur2, as Kafka's Java client: forge_stream.kafka.partitioner)."""
+        return partition_for(key.encode(), self.partitions(topic))
 
     def high(self, topic: Topic, partition: int) -> int:
         with self._consumer() as consumer:
