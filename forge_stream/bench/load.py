@@ -8,7 +8,7 @@ engine answers a tool call), sends the tool result (the engine answers text), fi
 over until the time is up. Every chat call carries a unique id at the end of its last message; a 200 answer puts
 it in `acknowledged`, a 429/503 in `shed` (the agent waits the answer's retry-after-ms, then retries with a new id).
 
-After the run the completions topic is read back (read_committed, from the offsets before the run): `lost` counts
+After the run the completions topic is read back (from the offsets before the run): `lost` counts
 acknowledged ids missing from it, `duplicates` ids recorded more than once, `shed_recorded` shed ids recorded
 anyway (all three must be 0). `p50_ms`/`p99_ms` are the latencies of successful chat calls; `rss_mb_max` the
 gateway's peak resident memory, sampled from /proc/<pid>/status while the agents run.

@@ -64,7 +64,9 @@ def consumer_config(bootstrap: str, group_id: str, **overrides) -> dict:
         "group.id": group_id,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
-        "isolation.level": "read_committed",
+        # isolation.level stays read_uncommitted (the default): no producer of forge-stream uses transactions, so
+        # every record is committed once acknowledged and read_committed would only add the wait for the last
+        # stable offset
         "session.timeout.ms": 10000,
         **overrides,
     }
@@ -151,7 +153,7 @@ class Watermarks:
 class DecodingConsumer:
     """Poll decoded events from catalog topics (subscribed, in a consumer group). Every record polled, event or
     dead letter, moves `marks`; commits are explicit (`commit()`: what `marks` allows). `caught_up` says whether
-    it has read every partition it was assigned up to the end (as read_committed sees it) since the assignment."""
+    it has read every partition it was assigned up to the end (its high watermark) since the assignment."""
 
     def __init__(self, bootstrap: str, group_id: str, topics: list[Topic], *, name: str,
                  producer: EventProducer | None = None, **config):

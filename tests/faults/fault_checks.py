@@ -1,8 +1,9 @@
-"""The fault suite's checks after the run: drain topics with read_committed consumers, inject poison, and
+"""The fault suite's checks after the run: drain topics without a consumer group, inject poison, and
 recompute a group's rewards from the source topics in one batch.
 
 `drain` reads a topic from its first to its last offset (the high watermark when it is called, so everything
-acknowledged before is below it) with `isolation.level=read_committed`, without a consumer group. `recompute`
+acknowledged before is below it), without a consumer group (no producer uses transactions, so every record there
+is committed). `recompute`
 folds a group's source events (forge.tasks, sessions, completions, tool_spans and the graders' rewards) through
 the processors' pure fold in one pass, the way a batch job over the topics would, and returns what the live
 processors should have published for it.
@@ -17,6 +18,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from forge_stream.events import DecodeError, decode, encode, new_event_id, now_ms
 from forge_stream.kafka.consumer import low_high
+from forge_stream.kafka.producer import producer_config
 from forge_stream.kafka.reader import partition_records
 from forge_stream.processors import InvalidEvent, ProcessorSettings, fold
 from forge_stream.topics import TOPICS, Topic
@@ -47,12 +49,11 @@ def bounds(consumer: Consumer, topic: str, partition: int, attempts: int = 6) ->
 
 
 def drain(bootstrap: str, topic: Topic) -> list[Record]:
-    """Every record of `topic`, partition by partition in offset order, as a read_committed reader sees them."""
+    """Every record of `topic`, partition by partition in offset order."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "fault-suite-drain", "enable.auto.commit": False,
-                         "isolation.level": "read_committed", "log_level": 0})
+                         "log_level": 0})
     out = []
     try:
-        # read_committed stops at the last stable offset; with no open transaction that is the high watermark
         for msg in partition_records(consumer, [(topic.name, p) for p in range(topic.partitions)], 30, bounds):
             try:
                 schema, event = decode(msg.value() or b"")
@@ -73,7 +74,7 @@ def inject_poison(bootstrap: str, live_session: dict, run: str) -> tuple[list[tu
     on each, a Task with group_size 0, and a NaN outcome reward for `live_session` (a SessionStarted record) of a
     group being rolled out. Returns where each poison record landed (topic, partition, offset) and the poison
     group ids."""
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all"})
+    producer = Producer(producer_config(bootstrap))
     landed: list[tuple[str, int, int]] = []
 
     def delivered(err, msg):

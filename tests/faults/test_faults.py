@@ -1,7 +1,7 @@
 """The fault suite, modelled on Kafka's own delivery checks: the local topology (its own broker on free ports, the
 tiny model in the engine and the trainer) under scripted agent traffic, while the gateway, the processors, the
 trainer, the engine and the broker are each SIGKILLed and restarted in turn, and poison is injected on every input
-topic. Then every topic is drained with read_committed consumers and checked against the agents' ledger:
+topic. Then every topic is drained and checked against the agents' ledger:
 
 - every acknowledged completion, span, reward and finish is recorded; no event id twice on a source topic, and a
   processor output re-emitted after a restart is the identical record;
