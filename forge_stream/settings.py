@@ -28,7 +28,7 @@ class ForgeSettings(BaseSettings):
     kafka_controller_port: int = 9093
     kafka_heap: str = "512m"
     replication_factor: int = 1  # the deployment's, from its topology (`up` passes it on): checked on every topic
-    min_insync_replicas: int = 1
+    min_insync_replicas: int = 1  # acks=all waits for this many replicas (the topics' min.insync.replicas)
     registry_port: int = 8081
     gateway_port: int = 8000
     engine_port: int = 8100

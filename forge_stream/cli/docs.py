@@ -2,9 +2,9 @@
 
 The pages under docs/ (and README.md) are hand-written Markdown with generated regions, each between
 `<!-- generated: NAME [ARG] -->` and `<!-- end generated -->`. `docs generate` rewrites every region from what it
-documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`), `events`
-from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings` and the CLI's environment
-variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and `fifo-chart WORKLOAD` (the window's
+documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`) and the
+topologies' replication, `events` from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings`
+and the CLI's environment variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and `fifo-chart WORKLOAD` (the window's
 trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`. `docs generate --check` writes
 nothing and fails, naming the pages, when a region is out of date (tests/docs runs it). `docs record` turns one
 benchmark run's JSON output into a result file, with the command, the commit and the machine, so a re-run updates
@@ -66,10 +66,32 @@ def topic_reference(root: Path, _arg: str) -> str:
         lines.append(f"| `{t.name}` | {cell(t.key)} | {events} | {t.partitions} | {days(t.retention_ms)} | "
                      f"{t.max_message_bytes // 1024 ** 2} MiB | {cell(', '.join(t.producers))} | "
                      f"{cell(', '.join(t.consumers))} |")
+    lines += ["", *replication_table(root)]
     for t in TOPICS.all():
         config = ", ".join(f"`{k}={v}`" for k, v in t.config().items())
-        lines += ["", f"### `{t.name}`", "", t.doc, "", f"Topic configs: {config}."]
+        lines += ["", f"### `{t.name}`", "", t.doc, "", f"Topic configs (embedded default): {config}."]
     return "\n".join(lines) + "\n"
+
+
+def replication_table(root: Path) -> list[str]:
+    """Each shipped topology's replication of every catalog topic (its `kafka:` section), and what it survives: writes
+    go on while `min.insync.replicas` brokers of a partition's replicas are up; an acknowledged record is on at least
+    `min.insync.replicas` brokers, so it outlives the loss of one fewer."""
+    from forge_stream.deploy import load_topology
+
+    lines = ["### Replication", "",
+             "Every catalog topic of a deployment is replicated as its topology states (`kafka.replication_factor`, "
+             "`kafka.min_insync_replicas`; 1 and 1 without them). Producers send with acks=all, so a record is "
+             "acknowledged once `min.insync.replicas` brokers have it. `forge-stream up` creates the topics so and "
+             "checks them; it hands the replication to every service (`FORGE_REPLICATION_FACTOR`, "
+             "`FORGE_MIN_INSYNC_REPLICAS`), whose start-up check refuses topics replicated otherwise.", "",
+             "| topology | replication factor | min.insync.replicas | brokers that can be lost with writes going on | "
+             "brokers that can be lost with no acknowledged record lost |",
+             "|---|---|---|---|---|"]
+    for path in sorted((root / "topologies").glob("*.yaml")):
+        r = load_topology(str(path)).replication
+        lines.append(f"| `{path.stem}` | {r.factor} | {r.min_insync} | {r.factor - r.min_insync} | {r.min_insync - 1} |")
+    return lines
 
 
 def avro_type(schema) -> str:
