@@ -4,6 +4,8 @@ stop, list.
 Each home has one supervisor: a small detached process (`python -m forge_stream.services RUN_DIR`, pid in
 `supervisor.pid`) that spawns every service in its own session, with its log under the run directory, and
 restarts one that dies, after a backoff that doubles on each quick death (1 s, 2 s, 4 s... capped at a minute).
+A service is its whole process group: when its process dies, what it started (a gateway's workers) is ended too
+before it is started again, and stopping a service waits for its whole group.
 Its parent-of-all position is what lets it record how a service ended (exit code or signal, and its log's tail).
 
 `services.json` is the shared state, read and written under a file lock: the command line (`up`, `down`,
@@ -34,6 +36,7 @@ RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
 QUICK_EXIT_S = 10.0  # a service that dies sooner than this after its start died quickly
 CRASH_LOOP_EXITS = 3  # quick deaths in a row that make a service crash-looping
+ORPHAN_GRACE_S = 5.0  # how long the children a dead service left get after SIGTERM, before SIGKILL
 TICK_S = 0.3
 
 
@@ -87,20 +90,39 @@ def _restart_delay(quick_exits: int) -> float:
     return min(RESTART_CAP_S, RESTART_BASE_S * 2 ** max(0, quick_exits - 1))
 
 
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid` (Linux /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
 def _end(pid: int, timeout: float) -> None:
-    """SIGTERM the process group of `pid`, SIGKILL it after `timeout`."""
+    """SIGTERM the process group of `pid` (a service's session: the service and every child it started), SIGKILL
+    what is left of it after `timeout`. Waits for the whole group, not only `pid`: a child that outlives its parent
+    (a gateway worker holding its SO_REUSEPORT socket) would go on serving beside the service's next start."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while (_alive(pid) or _group(pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5.0  # SIGKILL is sent, not yet done: the kernel tears the processes down
+    while (_alive(pid) or _group(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class Supervisor:
@@ -317,6 +339,11 @@ def _tick(state: dict, children: dict[str, subprocess.Popen]) -> None:
                 continue
             else:  # started by an earlier supervisor: only the parent learns how a process ended
                 reason, code = "ended (not a child of this supervisor, so its exit status is unknown)", None
+            left = _group(pid)  # its children: ended with it, or they would serve beside its next start
+            if left:
+                print(f"{time.strftime('%H:%M:%S')} {name}: ending {len(left)} process(es) it left in its process "
+                      f"group ({', '.join(map(str, left))})", flush=True)
+                _end(pid, ORPHAN_GRACE_S)
             ran = now - entry["started"]
             entry["quick_exits"] = entry["quick_exits"] + 1 if ran < QUICK_EXIT_S else 0
             entry["last_exit"] = {"reason": reason, "code": code, "at": now, "ran_s": round(ran, 2),

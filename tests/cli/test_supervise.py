@@ -103,3 +103,40 @@ def test_the_supervisor_being_started_is_not_taken_for_a_reused_pid(tmp_path):
         child.wait()
     supervisor.write_pid(1)  # alive, not ours, not a supervisor: a pid reused since the file was written
     assert supervisor.daemon_pid() is None
+
+
+FORKING = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+                          "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+with open(sys.argv[1], "a") as f:
+    f.write(f"{child.pid}\\n")
+time.sleep(600)
+"""
+
+
+def test_a_restarted_service_leaves_no_child_behind_and_stop_ends_a_child_that_ignores_sigterm(tmp_path):
+    """A service is its process group: when its process dies, the child it forked (as a gateway's workers, holding
+    their SO_REUSEPORT sockets) is ended before the service starts again, even one that ignores SIGTERM; stopping
+    the service waits for its whole group too."""
+    supervisor = Supervisor(tmp_path / "run")
+    children = tmp_path / "children"
+    born = lambda n: (lines := children.read_text().split() if children.exists() else []) and len(lines) >= n \
+        and [int(p) for p in lines]  # noqa: E731
+    try:
+        first = supervisor.start(ServiceSpec("forks", [sys.executable, "-c", FORKING, str(children)]))["pid"]
+        [orphan] = until(lambda: born(1), 30)
+        assert os.getpgid(orphan) == first  # in the service's group
+        os.kill(first, signal.SIGKILL)  # the service's own process only, as a crash ends it
+        until(lambda: born(2), 60, "the service restarted")
+        assert not _alive(orphan), "the dead service's child survived its restart"
+        second = supervisor.status()["forks"]["pid"]
+        [_, child] = born(2)
+        assert second != first and _alive(child) and os.getpgid(child) == second
+        assert supervisor.stop("forks", timeout=2)
+        assert not _alive(second) and not _alive(child), "stop left the child that ignores SIGTERM running"
+    finally:
+        supervisor.stop_all()
+        for pid in born(1) or []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
