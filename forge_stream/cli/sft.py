@@ -15,7 +15,12 @@ def sft(
     out: Path = typer.Option(..., help="Directory to write the warm-started model to."),
     model: Optional[Path] = typer.Option(None, help="Base model (HF directory); default: a fresh tiny model."),
     examples: int = typer.Option(600, help="Distinct training tasks demonstrated."),
-    steps: int = typer.Option(600, help="Optimizer steps."),
+    max_steps: int = typer.Option(2000, help="Step budget: SFT stops here if the criterion has not reached --target."),
+    target: float = typer.Option(0.3, help="Stop at the first check where the held-out predicted reward (the "
+                                           "teacher-forced chance of sampling a validation demonstration's every "
+                                           "assistant token) reaches this; a negative value: train --max-steps."),
+    check_every: int = typer.Option(25, help="Steps between two measurements of the criterion."),
+    check_examples: int = typer.Option(128, help="Validation-split demonstrations the criterion is measured on."),
     batch_size: int = typer.Option(16, help="Demonstrations per step."),
     lr: float = typer.Option(2e-3, help="AdamW learning rate."),
     seed: int = typer.Option(0, help="Seed of the demonstrations and the batches."),
@@ -23,7 +28,8 @@ def sft(
     difficulty: int = typer.Option(1, help="Task difficulty."),
     as_json: bool = JsonOption,
 ) -> None:
-    """Supervised fine-tuning on teacher demonstrations (assistant tokens only, tree-packed forward pass)."""
+    """Supervised fine-tuning on teacher demonstrations (assistant tokens only, tree-packed forward pass), until a
+    held-out criterion reaches --target or for at most --max-steps steps."""
     from forge_stream.tasks.suite import parse_mix
     from forge_stream.trainer.sft import SftSettings, run_sft
 
@@ -33,7 +39,9 @@ def sft(
 
         base = out.with_name(out.name + "-init")
         init_tiny_model(base, TinyModelSpec(seed=seed))
-    result = run_sft(SftSettings(base_model=base, out=out, examples=examples, steps=steps, batch_size=batch_size,
-                                 lr=lr, seed=seed, mix=parse_mix(mix), difficulty=difficulty),
+    result = run_sft(SftSettings(base_model=base, out=out, examples=examples, max_steps=max_steps,
+                                 target=None if target < 0 else target, check_every=check_every,
+                                 check_examples=check_examples, batch_size=batch_size, lr=lr, seed=seed,
+                                 mix=parse_mix(mix), difficulty=difficulty),
                      progress=lambda line: typer.echo(line, err=True))
     emit(result, as_json)

@@ -1,5 +1,8 @@
 """Warm start: the SFT loss is the NLL of assistant tokens only, computed through the tree-packed forward pass."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -7,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from forge_stream.tasks.suite import make_tasks
 from forge_stream.tasks.teacher import demonstration
 from forge_stream.trainer import sft
-from forge_stream.trainer.sft import SftSettings, render_turns, run_sft, sft_loss
+from forge_stream.trainer.sft import SftSettings, criterion, render_turns, run_sft, sft_loss
 from forge_stream.tree import sequence_logprobs
 
 
@@ -59,9 +62,47 @@ def test_prompt_tokens_carry_no_loss(tiny_model_dir, monkeypatch):
 def test_sft_learns_the_demonstrations(tiny_model_dir, tmp_path):
     out = tmp_path / "warm"
     lines = []
-    result = run_sft(SftSettings(base_model=tiny_model_dir, out=out, examples=32, steps=30, batch_size=8, lr=3e-3),
-                     progress=lines.append)
+    result = run_sft(SftSettings(base_model=tiny_model_dir, out=out, examples=32, max_steps=30, target=None,
+                                 check_every=10, check_examples=8, batch_size=8, lr=3e-3), progress=lines.append)
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
-    assert lines[0].startswith("sft step 1/30") and result["final_loss"] < 1.5
-    first = float(lines[0].split("loss ")[1].split()[0])
-    assert result["final_loss"] < first / 3
+    assert lines[0].startswith("sft step 10/30") and result["final_loss"] < 1.5 and result["steps"] == 30
+    assert [c["step"] for c in result["curve"]] == [0, 10, 20, 30] and not result["reached"]
+    assert result["curve"][-1]["nll"] < result["curve"][0]["nll"] / 2  # held-out demonstrations, never trained on
+
+
+def test_criterion_is_the_chance_of_sampling_each_demonstration(tiny_model_dir):
+    """predicted_reward is the mean over demonstrations of the product of their assistant tokens' probabilities
+    (every turn of a demonstration), from separate forward passes; nll is the mean per-token NLL."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    demos = [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in make_tasks("validation", 6, seed=2)]
+    assert any(len(demo) == 2 for demo in demos)  # tool-calling demonstrations have two assistant turns
+    probabilities, token_lps = [], []
+    for demo in demos:
+        total = 0.0
+        for turn in demo:
+            ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0], -1)
+            start = len(turn.prompt_ids)
+            lps = logp[start - 1: -1].gather(1, ids[0, start:, None]).squeeze(1)
+            total += float(lps.sum())
+            token_lps += lps.tolist()
+        probabilities.append(math.exp(total))
+    measured = criterion(model, demos)
+    assert measured["predicted_reward"] == pytest.approx(sum(probabilities) / len(demos), rel=1e-9)
+    assert measured["nll"] == pytest.approx(-sum(token_lps) / len(token_lps), rel=1e-9)
+
+
+def test_sft_stops_at_the_target_and_says_so(tiny_model_dir, tmp_path, monkeypatch):
+    """Training stops at the first check at or above the target, not at the budget; a target never reached runs
+    the whole budget and reports reached: false."""
+    readings = iter([0.0, 0.05, 0.2, 0.35, 0.6, 0.7])
+    monkeypatch.setattr(sft, "criterion", lambda model, demos: {"predicted_reward": next(readings), "nll": 1.0})
+    settings = SftSettings(base_model=tiny_model_dir, out=tmp_path / "warm", examples=16, max_steps=100,
+                           target=0.3, check_every=2, check_examples=4, batch_size=4)
+    result = run_sft(settings, progress=lambda line: None)
+    assert (result["steps"], result["reached"], result["predicted_reward"]) == (6, True, 0.35)
+    assert [c["step"] for c in result["curve"]] == [0, 2, 4, 6]
+    readings = iter([0.0, 0.01, 0.02, 0.03])
+    result = run_sft(replace(settings, max_steps=5, target=0.9), progress=lambda line: None)
+    assert (result["steps"], result["reached"], result["predicted_reward"]) == (5, False, 0.03)
