@@ -4,12 +4,15 @@ call until their events are acknowledged by Kafka), at most `max_waiting` more w
 A call past both bounds is shed at once with 429; a call that waited `max_wait_s` for a slot is shed with 503 (the
 engine or Kafka is the limit: slots are not freeing). Both answers carry Retry-After and come before anything of
 the call is recorded or any session state changes, so a client (the OpenAI SDK does by itself) retries it as is.
+Admission is the first thing a call goes through after its token is checked: before its body is read and before its
+session is rebuilt from Kafka (forge_stream.gateway.router), so a shed call costs neither memory nor broker reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from forge_stream.events import now_ms
 from forge_stream.gateway.protocol import GatewayError
 
 
@@ -31,6 +34,7 @@ class Admission:
 
     async def acquire(self) -> Lease:
         """Take a slot (waiting for one if needed), held until the returned lease is released."""
+        asked = now_ms()
         if self._slots.locked() or self.waiting:
             if self.waiting >= self.max_waiting:
                 raise self._shed(429, f"The gateway is at capacity ({self.in_flight} calls in flight, "
@@ -47,7 +51,7 @@ class Admission:
         else:
             await self._slots.acquire()
         self.in_flight += 1
-        return Lease(self)
+        return Lease(self, asked)
 
     def _release(self) -> None:
         self.in_flight -= 1
@@ -62,8 +66,9 @@ class Lease:
     """One admitted call's slot. Released once, explicitly, or when the lease is dropped: a stream whose client
     left before its generator started never runs the generator's `finally`, but drops the lease with it."""
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, asked_ms: int):
         self._admission: Admission | None = admission
+        self.asked_ms = asked_ms  # when the call asked for its slot: when the gateway received it
 
     def release(self) -> None:
         admission, self._admission = self._admission, None

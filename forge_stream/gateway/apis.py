@@ -10,6 +10,7 @@ import orjson
 
 from forge_stream.events import new_event_id
 from forge_stream.gateway import messages
+from forge_stream.gateway.admission import Lease
 from forge_stream.gateway.responses import (
     EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, stored_response_id,
     to_chat,
@@ -18,20 +19,22 @@ from forge_stream.gateway.serving import GatewayService, sse_data
 from forge_stream.gateway.sessions import Session
 
 
-async def message(service: GatewayService, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
-    """Serve an Anthropic Messages request through the chat path (so it is recorded as chat); returns the
-    Message body, or its SSE event stream."""
+async def message(service: GatewayService, session: Session, body, agent: str,
+                  lease: Lease) -> bytes | AsyncIterator[bytes]:
+    """Serve an Anthropic Messages request through the chat path (so it is recorded as chat), in the admission slot
+    `lease`; returns the Message body, or its SSE event stream."""
     session.require_open()
     chat = messages.to_chat(body)
     message_id = "msg_" + new_event_id()
-    result = await service.complete(session, "chat", chat, agent)
+    result = await service.complete(session, "chat", chat, agent, lease)
     if isinstance(result, bytes):
         return orjson.dumps(messages.message_object(message_id, body, orjson.loads(result)))
     return messages.events(message_id, body, result)
 
-async def respond(service: GatewayService, session: Session, body, agent: str) -> bytes | AsyncIterator[bytes]:
-    """Serve a Responses API request through the chat path (so it is recorded as chat); returns the Response
-    body, or its SSE event stream."""
+async def respond(service: GatewayService, session: Session, body, agent: str,
+                  lease: Lease) -> bytes | AsyncIterator[bytes]:
+    """Serve a Responses API request through the chat path (so it is recorded as chat), in the admission slot
+    `lease`; returns the Response body, or its SSE event stream."""
     session.require_open()
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
     if isinstance(previous, str) and previous not in session.responses:  # another replica's, or before a restart
@@ -41,7 +44,7 @@ async def respond(service: GatewayService, session: Session, body, agent: str) -
     request_id = new_event_id()
     response_id = stored_response_id(request_id, bool(body.get("instructions"))) if store else (
         "resp_" + new_event_id())
-    result = await service.complete(session, "chat", chat, agent, request_id)
+    result = await service.complete(session, "chat", chat, agent, lease, request_id)
     if not isinstance(result, bytes):
         return _respond_stream(session, response_id, body, result, added, store)
     data = orjson.loads(result)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -74,6 +75,11 @@ def require_admin(request: Request) -> None:
 
 async def agent_session(request: Request, session_id: str | None) -> Session:
     """The session an agent's call belongs to (path, X-Forge-Session, or its token), checking its token."""
+    return await _service(request).restorer.get(agent_session_id(request, session_id))
+
+
+def agent_session_id(request: Request, session_id: str | None) -> str:
+    """The id of the session an agent's call belongs to, its token checked: from memory, nothing read from Kafka."""
     service = _service(request)
     settings = service.settings
     token = _bearer(request)
@@ -89,7 +95,7 @@ async def agent_session(request: Request, session_id: str | None) -> Session:
         session_id = owner
     if settings.auth and not is_admin and owner != session_id:
         raise GatewayError(403, "This token belongs to another session.", "permission_error", "session_id")
-    return await service.restorer.get(session_id)
+    return session_id
 
 
 async def _admin_session(request: Request, session_id: str) -> Session:
@@ -97,16 +103,30 @@ async def _admin_session(request: Request, session_id: str) -> Session:
     return await _service(request).restorer.get(session_id)
 
 
+async def _admitted(request: Request, session_id: str | None, serve) -> bytes | AsyncIterator[bytes]:
+    """An agent's call in admission order: its token checked, then a slot taken (shed with 429/503 here), and only
+    then its body read and its session rebuilt from Kafka if this process does not hold it, so shedding bounds the
+    memory and the broker reads of calls that are turned away. `serve(service, session, body, agent, lease)` takes
+    the lease over (GatewayService.complete)."""
+    service = _service(request)
+    known = agent_session_id(request, session_id)
+    lease = await service.admission.acquire()
+    try:
+        session = await service.restorer.get(known)
+        body = await read_json(request)
+        return await serve(service, session, body, request.headers.get("x-forge-agent", ""), lease)
+    except BaseException:
+        lease.release()
+        raise
+
+
 async def _complete(request: Request, session_id: str | None, kind: str) -> Response:
     """An agent's OpenAI call: `kind` is chat, completion or responses."""
-    session = await agent_session(request, session_id)
-    service = _service(request)
-    body = await read_json(request)
-    agent = request.headers.get("x-forge-agent", "")
     if kind == "responses":
-        result = await apis.respond(service, session, body, agent)
+        result = await _admitted(request, session_id, apis.respond)
     else:
-        result = await service.complete(session, kind, body, agent)
+        result = await _admitted(request, session_id, lambda service, session, body, agent, lease:
+                                 service.complete(session, kind, body, agent, lease))
     if isinstance(result, bytes):
         return Response(result, media_type=JSON)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -115,9 +135,7 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
 async def _message(request: Request, session_id: str | None) -> Response:
     """An agent's Anthropic Messages call; every error answered in Anthropic's shape."""
     try:
-        session = await agent_session(request, session_id)
-        body = await read_json(request)
-        result = await apis.message(_service(request), session, body, request.headers.get("x-forge-agent", ""))
+        result = await _admitted(request, session_id, apis.message)
     except BodyRejected as exc:
         raise anthropic_error(exc.status, exc.message) from exc
     except GatewayError as exc:

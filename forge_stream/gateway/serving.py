@@ -285,18 +285,19 @@ class GatewayService:
 
     # ----- completions -----------------------------------------------------------------------------------
 
-    async def complete(self, session: Session, kind: Kind, body, agent: str,
+    async def complete(self, session: Session, kind: Kind, body, agent: str, lease: Lease,
                        request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
-        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id); returns the
+        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id) in the admission
+        slot `lease` (taken before its body was read: the router's `_admitted`), which it takes over; returns the
         response body, or an SSE byte stream."""
-        received = now_ms()
-        session.require_open()
-        n = check_request(kind, body, self.settings)
-        if len(agent) > self.settings.max_id_length:
-            raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.", "X-Forge-Agent")
-        lease = await self.admission.acquire()  # shed (429/503) here, before any state changes
         try:
-            result = await self._forward(session, kind, body, agent, received, n, lease, request_id or new_event_id())
+            session.require_open()
+            n = check_request(kind, body, self.settings)
+            if len(agent) > self.settings.max_id_length:
+                raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.",
+                              "X-Forge-Agent")
+            result = await self._forward(session, kind, body, agent, lease.asked_ms, n, lease,
+                                         request_id or new_event_id())
         except BaseException:
             lease.release()
             raise

@@ -74,6 +74,32 @@ def test_a_shed_call_records_nothing_and_its_connection_serves_the_next(make_gat
         assert httpx.get(f"{gateway}/health").json()["admission"]["shed_429"] == 1
 
 
+def test_a_shed_call_is_turned_away_before_its_body_is_read_or_its_session_rebuilt(make_gateway, run_id):
+    """Admission comes first: a call shed at a replica that does not hold its session reads nothing from Kafka (no
+    rebuild), and its body is not read (a body over the size limit is shed, not refused as too large)."""
+    with serving(ScriptedEngine(delay_s=1.0)) as engine, make_gateway(engines=(engine,)) as first, make_gateway(
+            engines=(engine,), max_in_flight=1, max_waiting=0, max_request_bytes=64 * 1024) as second:
+        session = open_session(first, run_id)  # opened and served by another replica: on Kafka only, for `second`
+        assert httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30).status_code == 200
+        path = f"{second}/s/{session['session_id']}/v1/chat/completions"
+        with _busy(second, run_id):
+            shed = httpx.post(path, json=HI, timeout=30)
+            big = httpx.post(path, content=b'{"messages": "' + b"x" * (1 << 20) + b'"}',
+                             headers={"content-type": "application/json"}, timeout=30)
+            health = httpx.get(f"{second}/health").json()
+        for response in (shed, big):
+            assert response.status_code == 429 and "retry-after" in response.headers
+            assert response.json()["error"]["type"] == "rate_limit_error" and response.json()["error"]["message"]
+        assert health["admission"]["shed_429"] == 2
+        assert health["sessions_restored"] == 0 and health["session_records_read"] == 0, health
+        served = httpx.post(path, json=HI, timeout=30)  # admitted: now the session is rebuilt, and served
+        assert served.status_code == 200, served.text
+        health = httpx.get(f"{second}/health").json()
+        assert health["sessions_restored"] == 1 and health["session_records_read"] > 0, health
+        assert httpx.post(path, content=b'{"messages": "' + b"x" * (1 << 20) + b'"}',
+                          headers={"content-type": "application/json"}, timeout=30).status_code == 413
+
+
 def test_a_call_waiting_past_max_wait_is_503_with_retry_after(make_gateway, run_id):
     with serving(ScriptedEngine(delay_s=1.0)) as engine, make_gateway(
             engines=(engine,), max_in_flight=1, max_waiting=4, max_wait_s=0.2, shed_retry_after_s=2) as gateway:
