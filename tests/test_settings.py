@@ -32,7 +32,7 @@ def test_a_command_finds_the_embedded_broker_up_started_on_another_port(home, mo
 def test_a_command_finds_the_external_cluster_up_ran_on(home, monkeypatch):
     ForgeSettings(bootstrap_servers="k1:9092,k2:9092", replication_factor=3, min_insync_replicas=2).record_deployment()
     assert settings().bootstrap == "k1:9092,k2:9092" and not settings().embedded
-    assert (settings().replication.factor, settings().replication.min_insync) == (3, 2)  # what its topics are checked on
+    assert (settings().replication.factor, settings().replication.min_insync) == (3, 2)  # its topics are checked so
     monkeypatch.setenv("FORGE_MIN_INSYNC_REPLICAS", "3")
     assert (settings().replication.factor, settings().replication.min_insync) == (3, 3)  # the environment wins
 

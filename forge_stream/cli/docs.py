@@ -4,11 +4,11 @@ The pages under docs/ (and README.md) are hand-written Markdown with generated r
 `<!-- generated: NAME [ARG] -->` and `<!-- end generated -->`. `docs generate` rewrites every region from what it
 documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`) and the
 topologies' replication, `events` from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings`
-and the CLI's environment variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and `fifo-chart WORKLOAD` (the window's
-trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`. `docs generate --check` writes
-nothing and fails, naming the pages, when a region is out of date (tests/docs runs it). `docs record` turns one
-benchmark run's JSON output into a result file, with the command, the commit and the machine, so a re-run updates
-the tables instead of adding a paragraph.
+and the CLI's environment variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and
+`fifo-chart WORKLOAD` (the window's trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`.
+`docs generate --check` writes nothing and fails, naming the pages, when a region is out of date (tests/docs runs
+it). `docs record` turns one benchmark run's JSON output into a result file, with the command, the commit and the
+machine, so a re-run updates the tables instead of adding a paragraph.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def replication_table(root: Path) -> list[str]:
              "|---|---|---|---|---|"]
     for path in sorted((root / "topologies").glob("*.yaml")):
         r = load_topology(str(path)).replication
-        lines.append(f"| `{path.stem}` | {r.factor} | {r.min_insync} | {r.factor - r.min_insync} | {r.min_insync - 1} |")
+        lines.append(f"| `{path.stem}` | {r.factor} | {r.min_insync} | {r.factor - r.min_insync} | "
+                     f"{r.min_insync - 1} |")
     return lines
 
 

@@ -148,9 +148,10 @@ def check_topics(bootstrap: str, topics: list[Topic] | None = None, timeout: flo
                      "(a group's events must share one). Delete and recreate those topics, losing their records "
                      f"(stop the services first): {topics_command('repair --recreate', bootstrap, replication)}")
     if problems["replication"]:
+        recreate = topics_command("repair --recreate", bootstrap, replication)
         lines.append("A replication factor is not a topic config: raise it in place with a partition reassignment "
                      "(Kafka's kafka-reassign-partitions.sh), or delete and recreate those topics, losing their "
-                     f"records (stop the services first): {topics_command('repair --recreate', bootstrap, replication)}")
+                     f"records (stop the services first): {recreate}")
     if problems["replication"] or any("min.insync.replicas" in p for p in problems["configs"]):
         lines.append("The deployment's replication is its topology's (kafka.replication_factor and "
                      "kafka.min_insync_replicas; `up` hands it to the services): a command run by hand takes it "

@@ -66,7 +66,8 @@ class PartitionReader:
         return self._partitions[topic.name]
 
     def partition_of(self, topic: Topic, key: str) -> int:
-        """The partition every producer puts `key` in (murmur2, as Kafka's Java client: forge_stream.kafka.partitioner)."""
+        """The partition every producer puts `key` in (murmur2, as Kafka's Java client:
+        forge_stream.kafka.partitioner)."""
         return partition_for(key.encode(), self.partitions(topic))
 
     def high(self, topic: Topic, partition: int) -> int:
