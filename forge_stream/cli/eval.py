@@ -1,6 +1,7 @@
 """`forge-stream eval`: held-out tasks through the gateway with the agent; mean reward per domain with a 95% CI.
 
-Publishes one EvalResult per domain and one for "all" on forge.evals, and no Task: its sessions are marked
+Publishes one EvalResult per domain and one for "all" on forge.evals (`--json` also prints every episode's task and
+reward, a failed one as 0, for paired comparisons), and no Task: its sessions are marked
 `purpose: eval` and never trained on. `--policy-version V` checks what is evaluated: it refuses to start when the
 engine announces another version (`/v1/models`), and fails without publishing when the completions it recorded
 came from another version. It evaluates whatever the engine serves; it does not load weights.
@@ -91,7 +92,10 @@ def eval_command(
         producer.close()
     if as_json:
         typer.echo(json.dumps({"eval_id": spec.eval_id, "run": run, "policy_version": version,
-                               "domains": [vars(s) for s in scores]}))
+                               "domains": [vars(s) for s in scores],
+                               "outcomes": [{"task_id": o.task_id, "domain": o.domain, "ok": o.ok,
+                                             "reward": o.reward if o.ok and o.reward is not None else 0.0}
+                                            for o in outcomes]}))
         return
     typer.echo(f"eval {spec.eval_id} of run {run!r}, policy version {version}")
     for s in scores:

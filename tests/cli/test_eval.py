@@ -53,6 +53,9 @@ def test_eval_publishes_results_per_domain_and_no_task(kafka_bootstrap, gateway,
     assert out.returncode == 0, out.stderr[-3000:]
     printed = json.loads(out.stdout)
     assert printed["policy_version"] == POLICY_VERSION
+    by_task = {o["task_id"]: o["reward"] for o in printed["outcomes"]}  # every episode's score, for paired tests
+    assert by_task == {**{f"{run_id}-a{i}": 1.0 for i in range(4)},
+                       **{f"{run_id}-r{i}": 1.0 if i < 2 else 0.0 for i in range(4)}}
 
     results = {r["domain"]: r for r in read_events(kafka_bootstrap, TOPICS.evals, lambda r: r["eval_id"] == run_id)}
     assert set(results) == {"agent", "reasoning", "all"}
