@@ -1,13 +1,23 @@
-"""`forge-stream bench learning`: the proof that the whole pipeline learns.
+"""`forge-stream bench learning`: the proof that the whole pipeline learns, over several seeds, with an interval.
 
-On a fresh home it builds the tiny model, warm-starts it on the scripted teacher's demonstrations (`sft`), starts
-the local topology (its own Kafka broker unless given one, the engine on the warm model, the gateway, the
-processors and the trainer), evaluates the held-out tasks through the gateway with the black-box example agent
-(`forge-stream eval`), trains by RL for a fixed wall-clock budget while the rollout controller drives the same
-agent over the training tasks, stops the rollouts, lets the engine load the last policy, evaluates again and
-prints one JSON object. Every step is the command a user would run; the evaluations are EvalResults on
-forge.evals and the steps TrainSteps on forge.train_metrics, so the curve is data (`--plot` draws it with the
-code of `forge-stream plot rewards`).
+For each seed (`--seeds N`: seeds S, S+1, ..., one after another) on a fresh home it builds the tiny model, warm-starts
+it on the scripted teacher's demonstrations (`sft`, until its held-out criterion reaches a target within a step
+budget), starts the local topology (its own Kafka broker unless given one, the engine on the warm model, the
+gateway, the processors and the trainer), evaluates the test split through the gateway with the black-box example
+agent (`forge-stream eval`), trains by RL for a fixed wall-clock budget while the rollout controller drives the same
+agent over the seed's stream of training tasks, stops the rollouts, lets the engine load the last policy and
+evaluates the same test tasks again. Every step is the command a user would run; the evaluations are EvalResults on
+forge.evals and the steps TrainSteps on forge.train_metrics, so the curve is data (`--plot` draws it with the code
+of `forge-stream plot rewards`).
+
+The warm starts run first, all of them, so that a seed whose warm start misses the band fails the run before any RL.
+A warm start must land in a band of held-out reward (`band`, about 0.1 to 0.5): below it RL has almost no successes
+to reinforce, above it little room to show a gain. The bench refuses (`OutsideBand`) when the SFT criterion, or the
+measured held-out reward of the warm start, is outside, unless told to go on (`allow_outside_band`).
+
+The summary keeps every test task's score before and after RL per seed, and the improvement's 95% interval is a
+paired bootstrap over test tasks and seeds (forge_stream.bench.intervals). `test_tasks` defaults to 600: a 0/1 mean
+near 0.5 then has a 95% interval of +-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Callable
 
 import httpx
 
+from forge_stream.bench.intervals import paired_bootstrap
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
@@ -34,7 +45,6 @@ from forge_stream.topics import TOPICS
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'} --serve"
-RUN = "bench-learning"
 
 
 SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"
@@ -53,15 +63,28 @@ class LearningSettings:
     group_size: int = 8  # G rollouts per task
     concurrency: int = 64  # sessions in flight
     agent_workers: int = 2
-    heldout_tasks: int = 200
+    test_tasks: int = 600  # +-0.040 at a mean of 0.5 (module docstring)
     mix: str = "reasoning=1,agent=1,lookup=1"
-    seed: int = 0
-    sft_steps: int = 600
+    seed: int = 0  # the first seed
+    seeds: int = 1  # seeds seed, seed + 1, ...: each its own model init, warm start, task stream and RL run
+    sft_max_steps: int = 2000
+    sft_target: float = 0.2  # held-out predicted reward at which SFT stops (forge_stream/trainer/sft.py)
     sft_examples: int = 600
     sft_lr: float = 3e-3
-    bootstrap: str | None = None  # an external cluster; default: the bench's own broker
+    band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
+    allow_outside_band: bool = False
+    bootstrap_replicates: int = 2000
+    bootstrap: str | None = None  # an external cluster; default: each seed's own broker
     home: Path | None = None  # default: a fresh temporary directory, removed afterwards
-    plot: Path | None = None  # draw the reward curve here before tearing down
+    plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
+
+
+class OutsideBand(Exception):
+    """A warm start outside the band: no RL was started. `result` is what the bench prints (`refused` says why)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 def _cli(*args: str, env: dict[str, str]) -> dict:
@@ -73,14 +96,24 @@ def _cli(*args: str, env: dict[str, str]) -> dict:
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
-def _train_steps(bootstrap: str) -> list[dict]:
+def run_name(seed: int) -> str:
+    return f"bench-learning-seed{seed}"
+
+
+def _train_steps(bootstrap: str, run: str) -> list[dict]:
     steps = {e.record["event_id"]: e.record for e in read_slice(bootstrap, TOPICS.train_metrics, Slice())
-             if e.key == RUN}
+             if e.key == run}
     return sorted(steps.values(), key=lambda r: r["step"])
 
 
-def _latest_policy(bootstrap: str) -> int:
-    return max((e.record["version"] for e in read_slice(bootstrap, TOPICS.policy, Slice()) if e.key == RUN),
+def _first_rollout_ms(bootstrap: str, since_ms: int) -> int | None:
+    """When the first training session started (SessionStarted on forge.sessions from `since_ms`, evals left out)."""
+    return min((e.record["event_time"] for e in read_slice(bootstrap, TOPICS.sessions, Slice(start_ms=since_ms))
+                if "base_url" in e.record and e.record["metadata"].get("purpose") != "eval"), default=None)
+
+
+def _latest_policy(bootstrap: str, run: str) -> int:
+    return max((e.record["version"] for e in read_slice(bootstrap, TOPICS.policy, Slice()) if e.key == run),
                default=0)
 
 
@@ -99,85 +132,154 @@ def _wait_served(engine_url: str, version: int, timeout_s: float = 120.0) -> int
     return served
 
 
+def _advice(value: float, band: tuple[float, float]) -> str:
+    if value < band[0]:
+        return ("raise --sft-max-steps or --sft-target (or try --sft-lr), or pass --allow-outside-band to run RL "
+                "anyway")
+    return "lower --sft-target, or pass --allow-outside-band to run RL anyway"
+
+
+def check_band(what: str, value: float, band: tuple[float, float]) -> str | None:
+    """None inside the band, else the one-line reason and what to do.
+
+    >>> check_band("seed 3's warm start: held-out reward", 0.02, (0.1, 0.5))[:68]
+    "seed 3's warm start: held-out reward 0.020 is outside the band [0.10"
+    >>> check_band("x", 0.3, (0.1, 0.5)) is None
+    True
+    """
+    if band[0] <= value <= band[1]:
+        return None
+    return (f"{what} {value:.3f} is outside the band [{band[0]:.2f}, {band[1]:.2f}] a warm start must land in "
+            f"before RL: {_advice(value, band)}")
+
+
+def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[str], None] = print) -> dict:
+    """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary."""
+    env = {**os.environ, "FORGE_HOME": str(home)}
+    progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g} (at most "
+             f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
+    _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)
+    sft = _cli("sft", "--model", str(home / "init"), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
+               "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
+               "--seed", str(seed), "--mix", s.mix, env=env)
+    progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
+             f"{sft['predicted_reward']:.3f}, SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
+    return {k: sft[k] for k in ("steps", "max_steps", "target", "reached", "predicted_reward", "heldout_nll",
+                                "heldout_examples", "examples", "final_loss", "seconds")}
+
+
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
-    home = s.home or Path(tempfile.mkdtemp(prefix="forge-bench-learning-"))
+    """Every seed's warm start, then every seed's evaluation, RL and evaluation; the summary over seeds. Raises
+    OutsideBand (before that seed's RL) when a warm start misses the band and `allow_outside_band` is off."""
+    root = s.home or Path(tempfile.mkdtemp(prefix="forge-bench-learning-"))
+    seeds = [s.seed + i for i in range(s.seeds)]
+    started = time.monotonic()
+    try:
+        warm = {}
+        for seed in seeds:
+            warm[seed] = warm_start(s, seed, root / f"seed{seed}", progress)
+            reason = check_band(f"seed {seed}'s warm start: SFT's held-out predicted reward",
+                                warm[seed]["predicted_reward"], s.band)
+            if reason and not s.allow_outside_band:
+                raise OutsideBand(reason, {"refused": reason, "seed": seed, "warm_start": warm[seed],
+                                           "band": list(s.band)})
+        results = []
+        for i, seed in enumerate(seeds):
+            progress(f"[seed {seed}] RL run {i + 1} of {len(seeds)}")
+            try:
+                results.append(run_seed(s, seed, root / f"seed{seed}", warm[seed], progress))
+            except OutsideBand as exc:
+                exc.result["seeds"] = results
+                raise
+        return summarize(s, results, time.monotonic() - started)
+    finally:
+        if s.home is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
+             progress: Callable[[str], None] = print) -> dict:
+    """One seed's evaluation of its warm start, RL and evaluation, on a topology of its own in `home`."""
     ports = {name: free_port() for name in ("kafka_port", "kafka_controller_port", "registry_port", "engine_port",
                                              "gateway_port")}
     cfg = ForgeSettings(home=home, bootstrap_servers=s.bootstrap, **ports)
     env = {**os.environ, "FORGE_HOME": str(home), **{f"FORGE_{k.upper()}": str(v) for k, v in ports.items()}}
     if s.bootstrap:
         env["FORGE_BOOTSTRAP_SERVERS"] = s.bootstrap
-    suite = f"seed={s.seed}&mix={s.mix}"
+    run_id = run_name(seed)
+    tag = f"[seed {seed}]"
     gateway_url = f"http://127.0.0.1:{cfg.gateway_port}"
     engine_url = f"http://127.0.0.1:{cfg.engine_port}"
-    started = time.monotonic()
+    model = str(home / "warm")
     try:
-        progress(f"[1/6] tiny model and warm start ({s.sft_steps} SFT steps on {s.sft_examples} demonstrations)")
-        _cli("model", "init", "--out", str(cfg.model_dir), env=env)
-        warm = home / "warm"
-        sft = _cli("sft", "--model", str(cfg.model_dir), "--out", str(warm), "--steps", str(s.sft_steps),
-                   "--examples", str(s.sft_examples), "--lr", str(s.sft_lr), "--seed", str(s.seed), "--mix", s.mix,
-                   env=env)
-        progress(f"[2/6] starting the topology in {home}")
+        progress(f"{tag} [1/5] starting the topology in {home}")
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
-            "engine": {"kind": s.engine, "model": str(warm), "max_batch_size": s.concurrency, "policy_run": RUN,
+            "engine": {"kind": s.engine, "model": model, "max_batch_size": s.concurrency, "policy_run": run_id,
                        **({"threads": 1} if s.engine == "torch" else {})},
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
                            "rules": [f"{SUBGOAL_RULE}={s.subgoal_reward}"] if s.subgoal_reward else []},
-            "trainer": {"model": str(warm), "run": RUN, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
+            "trainer": {"model": model, "run": run_id, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
                         "updates_per_batch": s.updates_per_batch,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,
                         "group_timeout": 300, "threads": 1},
         })
         up(cfg, topology, echo=progress)
-        evaluate = ("eval", "--tasks", "suite:test", "--limit", str(s.heldout_tasks), "--agent", AGENT,
-                    "--agent-workers", str(s.agent_workers), "--concurrency", str(s.concurrency), "--run", RUN,
+        evaluate = ("eval", "--tasks", "suite:test", "--limit", str(s.test_tasks), "--agent", AGENT,
+                    "--agent-workers", str(s.agent_workers), "--concurrency", str(s.concurrency), "--run", run_id,
                     "--gateway-url", gateway_url, "--bootstrap-servers", cfg.bootstrap)
-        progress(f"[3/6] held-out evaluation of the warm start ({s.heldout_tasks} tasks)")
+        progress(f"{tag} [2/5] test evaluation of the warm start ({s.test_tasks} tasks)")
         baseline = _cli(*evaluate, env=env)
-        progress(f"  held-out reward {_describe(baseline)}")
-        progress(f"[4/6] RL for {s.rl_minutes:g} minutes ({s.loss}, lr {s.lr:g}, {s.batch_size} groups x "
+        progress(f"{tag}   test reward {_describe(baseline)}")
+        reason = check_band(f"seed {seed}'s warm start: test reward", _overall(baseline)["mean"], s.band)
+        if reason and not s.allow_outside_band:
+            raise OutsideBand(reason, {"refused": reason, "seed": seed, "warm_start": warm, "band": list(s.band),
+                                       "baseline_reward": _overall(baseline)["mean"]})
+        progress(f"{tag} [3/5] RL for {s.rl_minutes:g} minutes ({s.loss}, lr {s.lr:g}, {s.batch_size} groups x "
                  f"G={s.group_size} a step)")
         supervisor = Supervisor(cfg.run_dir)
         cpu_before = _cpu_by_service(cfg)
-        rl_started = time.monotonic()
+        rl_started, rl_started_ms = time.monotonic(), int(time.time() * 1000)
         from forge_stream.deploy import controller_service
 
         supervisor.start(controller_service(cfg, {
-            "tasks": f"suite:train?{suite}", "agent": AGENT, "agent_workers": s.agent_workers,
+            "tasks": f"suite:train?seed={seed}&mix={s.mix}", "agent": AGENT, "agent_workers": s.agent_workers,
             "agent_per_worker": -(-s.concurrency // s.agent_workers), "concurrency": s.concurrency,
-            "group_size": s.group_size, "name": RUN, "loop": True}))
+            "group_size": s.group_size, "name": run_id, "loop": True}))
         deadline = rl_started + s.rl_minutes * 60
         shown = 0
         while time.monotonic() < deadline:
             time.sleep(min(30.0, max(0.0, deadline - time.monotonic())))
-            steps = _train_steps(cfg.bootstrap)
+            steps = _train_steps(cfg.bootstrap, run_id)
             for step in steps[shown:]:
-                progress(f"  step {step['step']}: outcome reward {step['outcome_reward']:.3f}, "
+                progress(f"{tag}   step {step['step']}: outcome reward {step['outcome_reward']:.3f}, "
                          f"loss {step['loss']:.4f}, mismatch {step['mismatch_mean']:.4f}, groups {step['groups']}")
             shown = len(steps)
         cpu_after = _cpu_by_service(cfg)
         cpu = {name: round(seconds - cpu_before.get(name, 0.0), 1) for name, seconds in cpu_after.items()}
-        progress(f"  CPU seconds used during RL, by service: {cpu}")
-        progress("[5/6] stopping the rollouts and the trainer; the engine loads the last policy")
+        progress(f"{tag}   CPU seconds used during RL, by service: {cpu}")
+        progress(f"{tag} [4/5] stopping the rollouts and the trainer; the engine loads the last policy")
         supervisor.stop("controller", timeout=120)
-        rl_minutes = (time.monotonic() - rl_started) / 60
+        stopped_ms = int(time.time() * 1000)
         supervisor.stop("trainer", timeout=120)
-        last = _latest_policy(cfg.bootstrap)
+        last = _latest_policy(cfg.bootstrap, run_id)
         served = _wait_served(engine_url, last)
-        progress(f"[6/6] held-out evaluation of policy v{served}")
+        progress(f"{tag} [5/5] test evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
-        progress(f"  held-out reward {_describe(final)}")
-        steps = _train_steps(cfg.bootstrap)
+        progress(f"{tag}   test reward {_describe(final)}")
+        steps = _train_steps(cfg.bootstrap, run_id)
+        first_ms = _first_rollout_ms(cfg.bootstrap, rl_started_ms) or rl_started_ms
+        rl_minutes = ((steps[-1]["event_time"] if steps else stopped_ms) - first_ms) / 60000
         if s.plot:
             from forge_stream.analytics.curves import load_curves, plot_curves
 
-            plot_curves(load_curves(cfg.bootstrap, RUN), s.plot,
-                        f"forge-stream bench learning ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
-        summary = _summary(s, sft, baseline, final, steps, rl_minutes, served, time.monotonic() - started)
+            path = s.plot if s.seeds == 1 else s.plot.with_name(f"{s.plot.stem}-seed{seed}{s.plot.suffix}")
+            plot_curves(load_curves(cfg.bootstrap, run_id), path,
+                        f"forge-stream bench learning, seed {seed} ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
+        summary = _summary(s, seed, warm, baseline, final, steps, rl_minutes, served)
         rollouts = summary["rollouts_trained"]
-        return {**summary, "engine": s.engine, "rollouts_per_minute": round(rollouts / rl_minutes, 1),
+        return {**summary, "engine": s.engine,
+                "rollouts_per_minute": round(rollouts / rl_minutes, 1) if rl_minutes > 0 else None,
                 "rl_cpu_seconds": cpu,
                 "cpu_ms_per_rollout": {name: round(1000 * sec / rollouts, 1) for name, sec in cpu.items()}
                 if rollouts else {}}
@@ -187,8 +289,6 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
             from forge_stream.deploy import local_broker
 
             local_broker(cfg).stop()
-        if s.home is None:
-            shutil.rmtree(home, ignore_errors=True)
 
 
 def _proc_tree_cpu_s(root: int) -> float:
@@ -234,24 +334,64 @@ def _overall(result: dict) -> dict:
     return next(d for d in result["domains"] if d["domain"] == "all")
 
 
-def _summary(s: LearningSettings, sft: dict, baseline: dict, final: dict, steps: list[dict], rl_minutes: float,
-             served: int | None, seconds: float) -> dict:
+def per_task(result: dict) -> dict[str, float]:
+    """An evaluation's score per task (the mean of its episodes; a failed one scores 0)."""
+    by: dict[str, list[float]] = {}
+    for o in result["outcomes"]:
+        by.setdefault(o["task_id"], []).append(o["reward"])
+    return {task: sum(rewards) / len(rewards) for task, rewards in by.items()}
+
+
+def paired_scores(baseline: dict, final: dict) -> tuple[list[str], list[float], list[float]]:
+    """The tasks both evaluations scored, in one order, with each one's scores; raises if they scored different
+    tasks (a comparison over other tasks is no paired comparison)."""
+    before, after = per_task(baseline), per_task(final)
+    if set(before) != set(after):
+        raise RuntimeError(f"the evaluations before and after RL scored different test tasks "
+                           f"({len(set(before) ^ set(after))} differ)")
+    tasks = sorted(before)
+    return tasks, [before[t] for t in tasks], [after[t] for t in tasks]
+
+
+def _summary(s: LearningSettings, seed: int, warm: dict, baseline: dict, final: dict, steps: list[dict],
+             rl_minutes: float, served: int | None) -> dict:
     base, end = _overall(baseline), _overall(final)
+    tasks, before, after = paired_scores(baseline, final)
+    ci = paired_bootstrap([before], [after], replicates=s.bootstrap_replicates, seed=seed)
     tokens = sum(st["total_tokens"] for st in steps)
     return {
-        "baseline_reward": base["mean"], "final_reward": end["mean"],
-        "improvement": end["mean"] - base["mean"],
+        "seed": seed, "baseline_reward": base["mean"], "final_reward": end["mean"],
+        "improvement": end["mean"] - base["mean"], "improvement_ci95": [ci["low"], ci["high"]],
         "baseline_ci": [base["low"], base["high"]], "final_ci": [end["low"], end["high"]],
         "baseline_by_domain": {d["domain"]: d["mean"] for d in baseline["domains"] if d["domain"] != "all"},
         "final_by_domain": {d["domain"]: d["mean"] for d in final["domains"] if d["domain"] != "all"},
         "rl_minutes": round(rl_minutes, 2), "steps": len(steps), "groups_trained": sum(st["groups"] for st in steps),
         "rollouts_trained": sum(st["rollouts"] for st in steps), "final_policy_version": served,
-        "heldout_tasks": base["episodes"], "loss": s.loss,
+        "test_tasks": len(tasks), "loss": s.loss,
         "mismatch_mean": sum(st["mismatch_mean"] for st in steps) / len(steps) if steps else None,
         "mismatch_max": max((st["mismatch_max"] for st in steps), default=None),
         "clip_fraction_mean": sum(st["clip_fraction"] for st in steps) / len(steps) if steps else None,
         "train_outcome_reward_first": steps[0]["outcome_reward"] if steps else None,
         "train_outcome_reward_last": steps[-1]["outcome_reward"] if steps else None,
-        "trained_tokens": tokens, "sft": {k: sft[k] for k in ("steps", "examples", "final_loss", "seconds")},
-        "seconds_total": round(seconds, 1), "settings": {k: str(v) for k, v in asdict(s).items()},
+        "trained_tokens": tokens, "warm_start": warm,
+        "per_task": {"task_ids": tasks, "baseline": before, "final": after},
+    }
+
+
+def summarize(s: LearningSettings, seeds: list[dict], seconds: float) -> dict:
+    """The result over seeds: means, the paired bootstrap over test tasks and seeds, and each seed's result."""
+    tasks = seeds[0]["per_task"]["task_ids"]
+    if any(r["per_task"]["task_ids"] != tasks for r in seeds):
+        raise RuntimeError("the seeds were evaluated on different test tasks")
+    ci = paired_bootstrap([r["per_task"]["baseline"] for r in seeds], [r["per_task"]["final"] for r in seeds],
+                          replicates=s.bootstrap_replicates, seed=s.seed)
+    mean = lambda key: sum(r[key] for r in seeds) / len(seeds)  # noqa: E731
+    return {
+        "baseline_reward": mean("baseline_reward"), "final_reward": mean("final_reward"),
+        "improvement": mean("improvement"), "improvement_ci95": [ci["low"], ci["high"]],
+        "interval": f"95%, paired bootstrap over {len(tasks)} test tasks and {len(seeds)} seeds "
+                    f"({ci['replicates']} replicates)",
+        "rl_minutes": max(r["rl_minutes"] for r in seeds), "loss": s.loss, "test_tasks": len(tasks),
+        "band": list(s.band), "seeds": seeds, "seconds_total": round(seconds, 1),
+        "settings": {k: str(v) for k, v in asdict(s).items()},
     }

@@ -16,7 +16,7 @@ def sft(
     model: Optional[Path] = typer.Option(None, help="Base model (HF directory); default: a fresh tiny model."),
     examples: int = typer.Option(600, help="Distinct training tasks demonstrated."),
     max_steps: int = typer.Option(2000, help="Step budget: SFT stops here if the criterion has not reached --target."),
-    target: float = typer.Option(0.3, help="Stop at the first check where the held-out predicted reward (the "
+    target: float = typer.Option(0.2, help="Stop at the first check where the held-out predicted reward (the "
                                            "teacher-forced chance of sampling a validation demonstration's every "
                                            "assistant token) reaches this; a negative value: train --max-steps."),
     check_every: int = typer.Option(25, help="Steps between two measurements of the criterion."),

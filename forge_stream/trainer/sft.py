@@ -39,7 +39,7 @@ class SftSettings:
     out: Path
     examples: int = 600  # distinct training tasks demonstrated
     max_steps: int = 2000  # the budget: training stops earlier once the criterion reaches target
-    target: float | None = 0.3  # held-out predicted reward to stop at (None: train max_steps)
+    target: float | None = 0.2  # held-out predicted reward to stop at (None: train max_steps)
     check_every: int = 25  # steps between two measurements of the criterion
     check_examples: int = 128  # validation-split demonstrations the criterion is measured on
     batch_size: int = 16  # demonstrations per step

@@ -1,0 +1,117 @@
+"""`forge-stream bench learning`: it refuses RL from a warm start outside the band (saying why and what to do), pairs
+each seed's two evaluations on the same test tasks, and runs several seeds end to end with tiny budgets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from forge_stream.bench import learning
+from forge_stream.bench.intervals import tasks_for_half_width
+from forge_stream.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+SINGLE_RUN_KEYS = {"baseline_reward", "final_reward", "improvement", "improvement_ci95", "steps", "groups_trained",
+                   "rl_minutes", "mismatch_mean", "loss"}
+
+
+def warm(predicted: float) -> dict:
+    return {"steps": 2000, "max_steps": 2000, "target": 0.2, "reached": predicted >= 0.2,
+            "predicted_reward": predicted, "heldout_nll": 0.4, "heldout_examples": 128, "examples": 600,
+            "final_loss": 0.33, "seconds": 1.0}
+
+
+def evaluation(scores: dict[str, float]) -> dict:
+    mean = sum(scores.values()) / len(scores)
+    return {"domains": [{"domain": "all", "mean": mean, "low": mean - 0.1, "high": mean + 0.1,
+                         "episodes": len(scores)}],
+            "outcomes": [{"task_id": t, "domain": "agent", "ok": True, "reward": r} for t, r in scores.items()]}
+
+
+def test_refuses_rl_from_a_warm_start_below_the_band(monkeypatch, tmp_path):
+    """Seed 1's warm start misses the band: nothing is run (not even seed 0's RL), exit status 3, one line on
+    stderr with the reason and the way out, and the JSON names it in `refused`."""
+    monkeypatch.setattr(learning, "warm_start", lambda s, seed, home, progress: warm(0.3 if seed == 0 else 0.02))
+    monkeypatch.setattr(learning, "run_seed", lambda *a, **k: pytest.fail("RL started from a warm start outside"))
+    result = CliRunner().invoke(app, ["bench", "learning", "--seeds", "2", "--home", str(tmp_path), "--json"])
+    assert result.exit_code == 3, result.output
+    printed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert printed["seed"] == 1 and printed["band"] == [0.1, 0.5] and printed["warm_start"]["predicted_reward"] == 0.02
+    assert "0.020 is outside the band [0.10, 0.50]" in printed["refused"]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("refusing to start RL")]
+    assert "--sft-max-steps" in line and "--allow-outside-band" in line
+
+
+def test_above_the_band_says_lower_the_target():
+    reason = learning.check_band("seed 0's warm start: test reward", 0.62, (0.1, 0.5))
+    assert "0.620 is outside the band" in reason and "lower --sft-target" in reason
+    assert learning.check_band("x", 0.1, (0.1, 0.5)) is None and learning.check_band("x", 0.5, (0.1, 0.5)) is None
+
+
+def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path):
+    """With --allow-outside-band the run goes on; the summary is the mean over seeds with a paired interval."""
+    monkeypatch.setattr(learning, "warm_start", lambda s, seed, home, progress: warm(0.02))
+    tasks = [f"test-0-{i}" for i in range(40)]
+
+    def run_seed(s, seed, home, warm_start, progress):
+        before = {t: float(i % 4 == 0) for i, t in enumerate(tasks)}
+        after = {t: float(i % 4 == 0 or i % 4 == seed + 1) for i, t in enumerate(tasks)}
+        return learning._summary(s, seed, warm_start, evaluation(before), evaluation(after),
+                                 [], 15.0 + seed, 7)
+
+    monkeypatch.setattr(learning, "run_seed", run_seed)
+    result = CliRunner().invoke(app, ["bench", "learning", "--seeds", "2", "--allow-outside-band",
+                                      "--home", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [r["seed"] for r in out["seeds"]] == [0, 1] and out["test_tasks"] == 40 and out["rl_minutes"] == 16.0
+    assert out["improvement"] == pytest.approx(0.25) and out["baseline_reward"] == pytest.approx(0.25)
+    low, high = out["improvement_ci95"]
+    assert 0.1 < low < 0.25 < high < 0.4
+    assert all(SINGLE_RUN_KEYS <= set(r) for r in out["seeds"])
+
+
+def test_evaluations_on_different_tasks_are_no_pair():
+    with pytest.raises(RuntimeError, match="different test tasks"):
+        learning.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))
+    tasks, before, after = learning.paired_scores(evaluation({"b": 0.0, "a": 1.0}), evaluation({"a": 0.0, "b": 1.0}))
+    assert (tasks, before, after) == (["a", "b"], [1.0, 0.0], [0.0, 1.0])
+
+
+def test_default_test_tasks_give_plus_minus_0_04():
+    assert tasks_for_half_width(0.04) <= learning.LearningSettings.test_tasks + 1
+    assert tasks_for_half_width(0.035) > learning.LearningSettings.test_tasks  # not far more than needed
+
+
+def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
+    """The whole protocol, twice, with tiny budgets: every key of the result, both evaluations of a seed on the same
+    test tasks (the same for both seeds), the seeds' own warm starts, and rl_minutes within the RL phase."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "forge_stream", "bench", "learning", "--seeds", "2", "--seed", "5",
+                          "--rl-minutes", "0.5", "--test-tasks", "6", "--sft-max-steps", "10", "--sft-examples", "32",
+                          "--allow-outside-band", "--batch-size", "2", "--group-size", "2", "--concurrency", "8",
+                          "--home", str(tmp_path / "home"), "--json"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"improvement", "improvement_ci95", "rl_minutes", "loss", "test_tasks", "seeds", "baseline_reward",
+            "final_reward"} <= set(result)
+    assert result["test_tasks"] == 6 and result["loss"] == "cispo" and [r["seed"] for r in result["seeds"]] == [5, 6]
+    low, high = result["improvement_ci95"]
+    assert -1.0 <= low <= high <= 1.0
+    for run in result["seeds"]:
+        assert SINGLE_RUN_KEYS <= set(run)
+        pairs = run["per_task"]
+        assert len(pairs["task_ids"]) == len(pairs["baseline"]) == len(pairs["final"]) == 6
+        assert pairs["task_ids"] == result["seeds"][0]["per_task"]["task_ids"]
+        assert all(t.startswith("test-") for t in pairs["task_ids"])
+        assert run["baseline_reward"] == pytest.approx(sum(pairs["baseline"]) / 6)
+        assert run["final_reward"] == pytest.approx(sum(pairs["final"]) / 6)
+        assert run["warm_start"]["steps"] == 10 and not run["warm_start"]["reached"]
+        assert 0 < run["rl_minutes"] < 3
+    assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
+    assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
