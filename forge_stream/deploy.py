@@ -338,9 +338,10 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     if settings.embedded and topology.hosts:
         raise ValueError(f"topology {topology.name} spans hosts: it needs a Kafka cluster they all reach "
                          "(kafka.bootstrap_servers in the topology, or --bootstrap-servers)")
+    supervisor = Supervisor(settings.run_dir)
     if settings.embedded:
         echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
-        local_broker(settings).start(echo)
+        start_broker(settings, supervisor, echo)
     echo(f"Kafka at {settings.bootstrap}; creating topics...")
     topics = create_topics(settings.bootstrap, replication=settings.replication)
     check_topics(settings.bootstrap, replication=settings.replication)
@@ -352,7 +353,6 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
         from forge_stream.engine.vllm_runtime import ensure_runtime
 
         ensure_runtime(settings.cache_dir, echo=echo)
-    supervisor = Supervisor(settings.run_dir)
     started = {}
     for placement in placements:
         echo(f"Starting {placement.spec.name}...")
@@ -362,8 +362,27 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
             "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}
 
 
+BROKER = "broker"  # the embedded broker's name among the supervisor's services
+
+
+def start_broker(settings: ForgeSettings, supervisor: Supervisor, echo=print, timeout: float = 90.0) -> None:
+    """Have the supervisor run the embedded broker like a service (restarted when it dies; its pid file kept for
+    the broker's own tooling), and wait until it answers. One that already runs unsupervised (started by an older
+    `up`) is left as it is."""
+    broker = local_broker(settings)
+    if broker.pid() is not None and BROKER not in supervisor.names():
+        echo(f"The embedded broker (pid {broker.pid()}) runs without the supervisor: nothing restarts it if it dies "
+             "until `forge-stream down` and `up`.")
+    else:
+        supervisor.start(ServiceSpec(BROKER, broker.command(echo), pid_file=str(broker.pid_file),
+                                     url=settings.bootstrap), timeout)
+    broker.wait_ready(timeout)
+
+
 def down(settings: ForgeSettings) -> dict:
-    """Stop the supervisor (so nothing is restarted), the services, then the embedded broker."""
+    """Stop the supervisor (so nothing is restarted), the services, then the embedded broker (a supervised one is
+    the first service started, so the last stopped)."""
     stopped = Supervisor(settings.run_dir).stop_all()
-    broker = settings.embedded and local_broker(settings).stop()
-    return {"stopped_services": stopped, "stopped_broker": bool(broker)}
+    broker = settings.embedded and local_broker(settings).stop()  # one that ran unsupervised
+    return {"stopped_services": [name for name in stopped if name != BROKER],
+            "stopped_broker": BROKER in stopped or bool(broker)}

@@ -52,6 +52,7 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # what to print for people
     start_timeout_s: float = 120.0  # how long `up` waits for it to be healthy
+    pid_file: str | None = None  # where the supervisor writes the pid of each process it starts for it
 
     @classmethod
     def python(cls, name: str, module: str, *args: str, **kw) -> "ServiceSpec":
@@ -201,6 +202,7 @@ class Supervisor:
                     "argv": spec.argv, "env": spec.env, "log": str(self.run_dir / f"{spec.name}.log"),
                     "url": spec.url, "health_url": spec.health_url, "pid": None, "started": None,
                     "next_start": 0.0, "restarts": 0, "quick_exits": 0, "last_exit": None,
+                    "pid_file": spec.pid_file,
                 }
         self.ensure_daemon()
         if running:
@@ -360,6 +362,8 @@ def _tick(state: dict, children: dict[str, subprocess.Popen]) -> None:
                 entry["restarts"] += 1
             entry["pid"], entry["started"] = proc.pid, now
             children[name] = proc
+            if entry.get("pid_file"):  # e.g. the embedded broker's, which `down` and its tooling read
+                Path(entry["pid_file"]).write_text(str(proc.pid))
 
 
 def supervise(run_dir: Path) -> None:

@@ -137,15 +137,28 @@ class LocalBroker:
             raise BrokerError(f"formatting KRaft storage in {self.dir} failed:\n{out.stdout}\n{out.stderr}")
 
     def pid(self) -> int | None:
+        """The pid in the pid file, if that process is this broker: a stale file's pid, reused since by an unrelated
+        process, is never taken for it (so never signalled). Its command line must run kafka.Kafka on this broker's
+        properties file."""
         try:
             pid = int(self.pid_file.read_text())
         except (FileNotFoundError, ValueError):
             return None
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # no such process (or not ours to read)
+            return None
+        if b"kafka.Kafka" not in argv or str(self.properties).encode() not in argv:
             return None
         return pid
+
+    def command(self, echo=print) -> list[str]:
+        """The broker's command line, ready to run: jars fetched, properties written, storage formatted."""
+        libs = fetch_jars(self.config.cache_dir, echo)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._render()
+        self.format(libs)
+        return self._java(libs, "kafka.Kafka", str(self.properties))
 
     def start(self, echo=print, timeout: float = 90.0, wait: bool = True) -> str:
         """Start the broker in the background (fetching and formatting as needed); returns bootstrap servers.
@@ -154,12 +167,7 @@ class LocalBroker:
             if wait:
                 self.wait_ready(timeout)
             return self.config.bootstrap
-        libs = fetch_jars(self.config.cache_dir, echo)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._render()
-        self.format(libs)
-        self._proc = start_process(self._java(libs, "kafka.Kafka", str(self.properties)), self.log_file,
-                                   new_session=True)
+        self._proc = start_process(self.command(echo), self.log_file, new_session=True)
         self.pid_file.write_text(str(self._proc.pid))
         if wait:
             self.wait_ready(timeout, self._proc)

@@ -2,19 +2,23 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import httpx
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import decode, encode
+from forge_stream.kafka.admin import describe
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.processors.synthetic import group_events
+from forge_stream.services import Supervisor, _alive
 from forge_stream.topics import TOPICS
 
-from helpers import cli
+from helpers import cli, read_events, until
 
 
 
@@ -108,3 +112,85 @@ def test_up_with_external_bootstrap_starts_no_broker(kafka_bootstrap, tmp_path):
     finally:
         down = json.loads(cli(env, "down", "--bootstrap-servers", kafka_bootstrap, "--json"))
     assert down == {"stopped_services": ["registry"], "stopped_broker": False}
+
+
+def _own_ports(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
+    env.update(FORGE_HOME=str(tmp_path / "home"), FORGE_KAFKA_PORT=str(free_port()),
+               FORGE_KAFKA_CONTROLLER_PORT=str(free_port()), FORGE_REGISTRY_PORT=str(free_port()))
+    return env
+
+
+def test_down_leaves_alone_an_unrelated_process_named_by_a_stale_broker_pid_file(tmp_path):
+    """The broker is gone, its pid file stayed, and the pid now belongs to another program: `down` must not signal
+    it (it checks the process's command line, as the supervisor does for its own pid file)."""
+    env = _own_ports(tmp_path)
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        pid_file = tmp_path / "home" / "kafka" / "broker.pid"
+        pid_file.parent.mkdir(parents=True)
+        pid_file.write_text(str(bystander.pid))
+        down = json.loads(cli(env, "down", "--json"))
+        assert down == {"stopped_services": [], "stopped_broker": False}
+        time.sleep(0.5)
+        assert bystander.poll() is None, f"down signalled an unrelated process ({bystander.returncode})"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def answers(bootstrap: str) -> bool:
+    """Whether the broker answers, partition leaders included (not while it recovers its logs)."""
+    try:
+        return describe(bootstrap)["reachable"]
+    except KafkaException:
+        return False
+
+
+def test_a_killed_embedded_broker_is_restarted_by_the_supervisor_and_the_pipeline_goes_on(tmp_path):
+    env = _own_ports(tmp_path)
+    topology = tmp_path / "processors-only.yaml"
+    topology.write_text("name: processors-only\nservices:\n  - processors\n")
+    run = f"brk{time.monotonic_ns()}"
+
+    def produce_group(name: str) -> str:
+        group = f"{run}-{name}"
+        producer = EventProducer(bootstrap)
+        for schema, record in group_events(group, group_size=2, turns=2, start_ms=int(time.time() * 1000)):
+            producer.send_sync({"Task": TOPICS.tasks, "SessionStarted": TOPICS.sessions,
+                                "SessionFinished": TOPICS.sessions, "Completion": TOPICS.completions,
+                                "ToolSpan": TOPICS.tool_spans, "Reward": TOPICS.rewards}[schema], group, record,
+                               schema)
+        producer.close()
+        return group
+
+    def sampled(group: str) -> bool:
+        try:
+            return bool(read_events(bootstrap, TOPICS.samples, lambda r: r["group_id"] == group))
+        except Exception:  # the broker is still coming back
+            return False
+
+    try:
+        up = json.loads(cli(env, "up", str(topology), "--json"))
+        bootstrap = up["bootstrap_servers"]
+        broker = json.loads(cli(env, "status", "--json"))["services"]["broker"]
+        assert broker["state"] == "running" and broker["restarts"] == 0
+        before = produce_group("before")
+        until(lambda: sampled(before), 180, "a sample before the broker is killed")
+
+        os.kill(broker["pid"], signal.SIGKILL)
+        services = Supervisor(tmp_path / "home" / "run")  # `status` itself exits 1 while Kafka is unreachable
+        back = until(lambda: (b := services.status()["broker"])["restarts"] == 1 and b["state"] == "running" and b,
+                     60, "the supervisor restarted the broker")
+        assert back["last_exit"]["reason"] == "killed by SIGKILL" and back["pid"] != broker["pid"]
+        assert (tmp_path / "home" / "kafka" / "broker.pid").read_text() == str(back["pid"])
+        until(lambda: answers(bootstrap), 120, "the restarted broker answers")  # a JVM start, then log recovery
+        after = produce_group("after")  # through the restarted broker, to the processors that kept running
+        until(lambda: sampled(after), 180, "a sample after the broker came back")
+        assert services.status()["processors"]["state"] == "running"  # (restarted, if losing Kafka ended it)
+
+        down = json.loads(cli(env, "down", "--json"))
+        assert down == {"stopped_services": ["processors"], "stopped_broker": True}
+        assert not _alive(back["pid"])
+    finally:
+        subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
