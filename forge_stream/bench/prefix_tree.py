@@ -37,6 +37,8 @@ class BenchSettings:
     chunk_rows: int = 256  # tree attention query chunk
     repeats: int = 2  # timed steps per variant; the fastest counts
     seed: int = 0
+    model_dir: str | None = None  # a real model directory instead of a random Llama of the sizes above
+    head_rows: int = 1024  # LM-head rows scored at a time (logits of at most head_rows x vocab exist)
     # (a) GRPO
     grpo_prompt: int = 2048
     grpo_group: int = 16
@@ -117,7 +119,7 @@ def tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
     """Forward + backward of sum_i w_i * sum(lp_i) over the packed tree; returns the detached log-probs."""
     from forge_stream.tree import pack, sequence_logprobs
 
-    lps = sequence_logprobs(model, pack(seqs), chunk_rows=s.chunk_rows)
+    lps = sequence_logprobs(model, pack(seqs), chunk_rows=s.chunk_rows, head_rows=s.head_rows)
     sum(w * lp.sum() for w, lp in zip(weights, lps)).backward()
     return [lp.detach() for lp in lps]
 
@@ -135,18 +137,42 @@ def baseline_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
     return out
 
 
-def _measure(variant: str, name: str, s: BenchSettings) -> dict:
-    """Runs in a fresh process: build model + workload, warm up, then time one step and its peak RSS growth."""
+# Agent-shaped workloads sized for a real model (a 135M model steps through each in seconds to a minute on 2
+# cores); token ids are drawn from the model's own vocabulary.
+MODEL_SHAPES = BenchSettings(
+    batch_tokens=4096, chunk_rows=256, repeats=1,
+    grpo_prompt=512, grpo_group=8, grpo_completion=(32, 96),
+    mt_rollouts=2, mt_prompt=256, mt_turns=8, mt_reset_every=4, mt_observation=24, mt_action=32, mt_summary=16,
+    lh_prompt=128, lh_turns=40, lh_observation=6, lh_action=10,
+)  # fmt: skip
+
+# Variants: the tree step with the LM head chunked (`head_rows`) and whole (every row's logits at once: the
+# before-and-after of chunking, measured on a real model's vocabulary), and the unshared baseline.
+WHOLE_HEAD = 1 << 30
+
+
+def _model(s: BenchSettings):
+    if s.model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=torch.float32).train()
     from forge_stream.tree.reference import tiny_causal_lm
 
-    torch.set_num_threads(s.threads)
-    model = tiny_causal_lm(
+    return tiny_causal_lm(
         "llama", vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_layers=s.num_layers,
         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, seed=s.seed,
     )  # fmt: skip
+
+
+def _measure(variant: str, name: str, s: BenchSettings) -> dict:
+    """Runs in a fresh process: build model + workload, warm up, then time one step and its peak RSS growth."""
+    torch.set_num_threads(s.threads)
+    model = _model(s)
     seqs = workloads(s)[name]
     weights = torch.randn(len(seqs), generator=torch.Generator().manual_seed(s.seed + 1)).tolist()
-    step = tree_step if variant == "tree" else baseline_step
+    if variant == "tree_whole_head":
+        s = replace(s, head_rows=WHOLE_HEAD)
+    step = baseline_step if variant == "baseline" else tree_step
     step(model, [x[:64] for x in seqs[:2]], weights, s)  # warm-up; also allocates the .grad buffers
     model.zero_grad(set_to_none=False)
     gc.collect()
@@ -163,19 +189,33 @@ def _measure(variant: str, name: str, s: BenchSettings) -> dict:
     return {"seconds": min(times), "peak_mb": (peak_kb - base_kb) / 1024, "logprobs": torch.cat(lps)}
 
 
-def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: int | None = None) -> dict:
-    """Measure every workload tree vs baseline; one dict with a `workloads` list (see module docstring)."""
+def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: int | None = None,
+        model_dir: str | None = None) -> dict:
+    """Measure every workload tree vs baseline; one dict with a `workloads` list (see module docstring).
+    `model_dir`: step a real model (its vocabulary, agent-shaped workloads of MODEL_SHAPES), and measure the
+    tree step with the LM head whole beside it."""
     from forge_stream.tree import pack
 
-    s = settings or (QUICK if quick else BenchSettings())
+    s = settings or (QUICK if quick else MODEL_SHAPES if model_dir else BenchSettings())
     if threads is not None:
         s = replace(s, threads=threads)
+    model_info = None
+    if model_dir is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        s = replace(s, model_dir=str(model_dir), vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                    num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+                    num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads))
+        model_info = {"path": str(model_dir), "architecture": (config.architectures or ["?"])[0],
+                      "vocab_size": config.vocab_size}
+    variants = ("tree", "tree_whole_head", "baseline") if model_dir else ("tree", "baseline")
     results = []
     ctx = multiprocessing.get_context("spawn")
     for name, seqs in workloads(s).items():
         tree = pack(seqs)
         measured = {}
-        for variant in ("tree", "baseline"):
+        for variant in variants:
             print(f"prefix-tree: {name} {variant} (T={tree.total_tokens}, U={tree.num_rows})", file=sys.stderr)
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 measured[variant] = pool.submit(_measure, variant, name, s).result()
@@ -198,10 +238,16 @@ def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: 
                 "max_logprob_diff": float((t["logprobs"] - b["logprobs"]).abs().max()),
             }
         )
+        if "tree_whole_head" in measured:
+            w = measured["tree_whole_head"]
+            results[-1].update(tree_whole_head_step_s=round(w["seconds"], 3),
+                               tree_whole_head_peak_mb=round(w["peak_mb"], 1))
     return {
         "benchmark": "prefix-tree",
         "device": "cpu",
         "settings": asdict(s),
-        "step": "forward + backward of sum_i w_i * sum_t logp_it, float32, Llama-style model (GQA)",
+        "model": model_info,
+        "step": "forward + backward of sum_i w_i * sum_t logp_it, float32, "
+                + (model_info["architecture"] if model_info else "Llama-style model (GQA)"),
         "workloads": results,
     }
