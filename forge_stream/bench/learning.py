@@ -165,7 +165,7 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
              f"{sft['predicted_reward']:.3f}, SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
     return {k: sft[k] for k in ("steps", "max_steps", "target", "reached", "predicted_reward", "heldout_nll",
-                                "heldout_examples", "examples", "final_loss", "seconds")}
+                                "heldout_examples", "examples", "final_loss", "seconds", "curve")}
 
 
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
