@@ -232,6 +232,36 @@ def shared_prefix(a: Sequence, b: Sequence) -> int:
     return n
 
 
+def prefix_breaks(completions: Sequence[dict]) -> list[int]:
+    """For each completion of a rollout (in turn order, prompts whole): how many ids of the previous completion of
+    the same agent (its prompt ids, then its completion ids) its prompt does not repeat; 0 when it extends that
+    completion token for token, and for an agent's first turn.
+
+    A break is a re-rendering the sampled tokens did not survive: a chat template that re-renders a tool call's
+    arguments, strips a think block, or merges whitespace across turns; or a context manager that truncated or
+    summarized the history. The tokens trained are each completion's own sampled ids, with the engine's log-probs,
+    so a break costs sharing in the prefix tree, never the training signal's provenance; it is counted so a
+    template that breaks every turn is seen.
+
+    >>> a = {"agent": "", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4]}
+    >>> b = {"agent": "", "prompt_token_ids": [1, 2, 3, 4, 5], "completion_token_ids": [6]}
+    >>> c = {"agent": "", "prompt_token_ids": [1, 2, 3, 9, 5, 6, 7], "completion_token_ids": [8]}
+    >>> prefix_breaks([a, b, c])
+    [0, 0, 3]
+    """
+    last: dict[str, dict] = {}
+    out = []
+    for comp in completions:
+        prev = last.get(comp.get("agent", ""))
+        broken = 0
+        if prev is not None:
+            expected = list(prev["prompt_token_ids"]) + list(prev["completion_token_ids"])
+            broken = len(expected) - shared_prefix(expected, comp["prompt_token_ids"])
+        out.append(broken)
+        last[comp.get("agent", "")] = comp
+    return out
+
+
 def _repeated(completion: array, after: list[int]) -> int:
     """How many of a lane's completion ids `after` (the ids after the lane's prompt) starts with: all of them, as a
     rule, compared at once.
@@ -335,4 +365,4 @@ def whole_completions(records: Iterable[dict], messages: bool = True) -> list[di
 
 
 __all__ = ["Lane", "MissingReference", "PACKED_FROM", "PromptIds", "by_reference", "ids_json", "message_digest",
-           "resolve_prompt", "shared_prefix", "whole", "whole_completions"]
+           "prefix_breaks", "resolve_prompt", "shared_prefix", "whole", "whole_completions"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from forge_stream.events import deterministic_id
-from forge_stream.events.prompts import MissingReference, resolve_prompt, whole
+from forge_stream.events.prompts import MissingReference, prefix_breaks, resolve_prompt, whole
 from forge_stream.processors import groups
 from forge_stream.processors.rewards import Rollout, Turn, score_group, wall_time_ms
 from forge_stream.processors.sample import build_sample, trainable
@@ -90,12 +90,14 @@ def close(state: dict, settings: ProcessorSettings, cut: Cut | None = None,
     task_seq = task["seq"] if task else -1
     emits = _reward_events(gid, task_id, rollouts, closed_ms, settings)
     for r in rollouts:
+        breaks = prefix_breaks([t.completion for t in r.turns])
         emits.append(Emit(TOPICS.trajectories, gid, "Trajectory", {
             "event_id": deterministic_id("trajectory", gid, r.rollout_id), "event_time": closed_ms,
             "group_id": gid, "task_id": task_id, "task_seq": task_seq, "session_id": r.session_id,
             "choice_index": r.choice_index, "status": state["sessions"][r.session_id]["finished"]["status"],
             "outcome_reward": r.outcome, "wall_time_ms": wall_time_ms(state, r.session_id),
-            "turns": [_turn_record(t) for t in r.turns], "group_complete": complete, "missing_sessions": missing,
+            "turns": [_turn_record(t, b) for t, b in zip(r.turns, breaks)], "group_complete": complete,
+            "missing_sessions": missing, "prefix_breaks": sum(b > 0 for b in breaks),
         }))
     sample = None if task is None else build_sample(rollouts, {
         "event_id": deterministic_id("sample", gid), "event_time": closed_ms, "group_id": gid,
@@ -146,9 +148,9 @@ def _task_id(state: dict) -> str:
     return ""
 
 
-def _turn_record(turn: Turn) -> dict:
+def _turn_record(turn: Turn, prefix_break: int) -> dict:
     comp = turn.completion
-    return {
+    return {"prefix_break_tokens": prefix_break,
         "completion_id": comp["completion_id"], "turn": comp["turn"], "agent": comp.get("agent", ""),
         "prompt_tokens": len(comp["prompt_token_ids"]), "completion_tokens": len(comp["completion_token_ids"]),
         "trainable": trainable(comp), "outcome_reward": turn.outcome, "process_reward": turn.process_reward,

@@ -266,3 +266,18 @@ def test_a_session_started_twice_keeps_its_first_start():
         _, out = run(order)
         assert by_schema(out, "Trajectory") == by_schema(want, "Trajectory")
         assert by_schema(out, "Reward") == by_schema(want, "Reward")
+
+
+def test_trajectories_count_prompts_that_do_not_extend_the_previous_turn():
+    """Session 1's last turn rewrites its history (a context reset keeps 12 of the system prompt's 24 ids): its
+    prompt repeats 12 of the 43 ids of the turn before (35 prompt + 8 completion), a break of 31; every other turn
+    extends its predecessor token for token (the untrainable first turn of session 0 has no completion ids to
+    repeat)."""
+    _, out = run(group_events("g", group_size=2, turns=3))
+    trajectories = {t["session_id"]: t for t in by_schema(out, "Trajectory")}
+    assert [t["prefix_break_tokens"] for t in trajectories["g-s0"]["turns"]] == [0, 0, 0]
+    assert trajectories["g-s0"]["prefix_breaks"] == 0
+    assert [t["prefix_break_tokens"] for t in trajectories["g-s1"]["turns"]] == [0, 0, 31]
+    assert trajectories["g-s1"]["prefix_breaks"] == 1
+    for e in out:
+        encode(e.schema, e.record)
