@@ -311,10 +311,10 @@ def _proc_tree_cpu_s(root: int) -> float:
 
 
 def _cpu_by_service(cfg: ForgeSettings) -> dict[str, float]:
-    """Each service's CPU seconds so far (with its child processes: the controller's agents), and the broker's."""
+    """Each service's CPU seconds so far (with its child processes: the controller's agents), the broker's too."""
     out = {name: round(_proc_tree_cpu_s(entry["pid"]), 1)
            for name, entry in Supervisor(cfg.run_dir).status().items() if entry.get("pid")}
-    if cfg.embedded:
+    if cfg.embedded and "broker" not in out:  # `up` supervises the embedded broker as the service `broker`
         from forge_stream.deploy import local_broker
 
         pid = local_broker(cfg).pid()
