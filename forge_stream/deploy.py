@@ -14,6 +14,12 @@ A topology also states how the catalog's topics are replicated (`kafka.replicati
 `kafka.min_insync_replicas`; 1 and 1 when it says nothing, the embedded broker's): `up` creates the topics so and
 checks them, and hands it to every service (FORGE_REPLICATION_FACTOR, FORGE_MIN_INSYNC_REPLICAS), whose start-up
 check refuses topics replicated otherwise.
+
+Credentials (forge_stream.credentials): `up` generates the deployment's tokens once into the home's
+`credentials.json` (0600) and hands them to the services in their environment: the gateway its admin token and the
+engines' token, each engine the engines' token (a torch engine also loads weights over HTTP only from the home's
+checkpoint directory), the controller the gateway's admin token. A topology across hosts needs the same file on
+every host (copy it before `up --host`). `--dry-run` shows where a token goes, never the token.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Callable
 
 import yaml
 
+from forge_stream import credentials
+from forge_stream.credentials import ENGINE_ENV, GATEWAY_ENV, Credentials
 from forge_stream.kafka.admin import check_topics, create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker
 from forge_stream.services import ServiceSpec, Supervisor
@@ -100,8 +108,10 @@ class Placement:
     spec: ServiceSpec
 
 
-def plan(settings: ForgeSettings, topology: Topology, host: str | None = None) -> list[Placement]:
-    """What runs where, in start order: every placement, or only `host`'s (None: the services placed on no host).
+def plan(settings: ForgeSettings, topology: Topology, host: str | None = None,
+         creds: Credentials | None = None) -> list[Placement]:
+    """What runs where, in start order: every placement, or only `host`'s (None: the services placed on no host),
+    each service given the tokens of `creds` it uses (credentials_env).
 
     A trainer placed on several hosts with `nnodes` is one torchrun node per host (`node_rank` = the host's index,
     the first host the rendezvous master unless `master_addr` says otherwise).
@@ -119,8 +129,19 @@ def plan(settings: ForgeSettings, topology: Topology, host: str | None = None) -
                     raise ValueError(f"trainer: nnodes {opts['nnodes']} but {len(placed)} hosts")
                 opts = {"master_addr": f"{placed[0]}:29500", **opts, "node_rank": rank}
             spec = BUILDERS[name](settings, opts)
-            out.append(Placement(where, replace(spec, env={**replication_env(settings.replication), **spec.env})))
+            env = {**replication_env(settings.replication), **credentials_env(name, creds), **spec.env}
+            out.append(Placement(where, replace(spec, env=env)))
     return out
+
+
+def credentials_env(service: str, creds: Credentials | None) -> dict[str, str]:
+    """The tokens `service` is handed: the gateway's admin token to the gateway and the controller, the engines'
+    token to the engines and the gateway (which calls them)."""
+    if creds is None:
+        return {}
+    names = {"gateway": (GATEWAY_ENV, ENGINE_ENV), "controller": (GATEWAY_ENV,), "engine": (ENGINE_ENV,)}
+    values = {GATEWAY_ENV: creds.gateway_admin_token, ENGINE_ENV: creds.engine_token}
+    return {name: values[name] for name in names.get(service, ())}
 
 
 def replication_env(replication: Replication) -> dict[str, str]:
@@ -182,6 +203,8 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         "engine", "forge_stream.engine", "serve", "--model", str(opts.get("model", settings.model_dir)),
         "--port", str(port), "--bootstrap-servers", settings.bootstrap,
         "--max-batch-size", str(opts.get("max_batch_size", 32)), *_flags(opts, ("policy_run",)),
+        "--checkpoint-dir", str(opts.get("checkpoint_dir", settings.checkpoint_dir)),
+        *(["--host", str(opts["bind"])] if "bind" in opts else []),
         health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1", env=_threads(opts),
     )
 
@@ -309,8 +332,9 @@ def describe_plan(settings: ForgeSettings, topology: Topology, host: str | None 
     """What `up` would run where (`forge-stream up TOPOLOGY --dry-run`), without starting anything: the broker and
     per host each service's command line and environment (the paths are this machine's install)."""
     settings = topology.settings_for(settings)
+    hidden = f"<in {credentials.path(settings.home)}>"
     placements = [p for h in ([host] if host is not None else [None, *_all_hosts(topology)])
-                  for p in plan(settings, topology, h)]
+                  for p in plan(settings, topology, h, Credentials(hidden, hidden))]
     hosts: dict[str, list[dict]] = {}
     for p in placements:
         hosts.setdefault(p.host or "(this machine)", []).append({
@@ -338,6 +362,12 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     if settings.embedded and topology.hosts:
         raise ValueError(f"topology {topology.name} spans hosts: it needs a Kafka cluster they all reach "
                          "(kafka.bootstrap_servers in the topology, or --bootstrap-servers)")
+    creds, made = credentials.ensure(settings.home)
+    if made:
+        echo(f"Generated this deployment's tokens into {credentials.path(settings.home)} (mode 0600)"
+             + (": copy it to the same path on every other host of the topology before `up --host` there."
+                if topology.hosts else "."))
+    placements = plan(settings, topology, host, creds)
     supervisor = Supervisor(settings.run_dir)
     if settings.embedded:
         echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")

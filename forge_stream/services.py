@@ -155,7 +155,9 @@ class Supervisor:
             state = self._state()
             yield state
             tmp = self.state_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state, indent=2))
+            tmp.unlink(missing_ok=True)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+                out.write(json.dumps(state, indent=2))  # 0600: the services' environments hold the deployment's tokens
             os.replace(tmp, self.state_file)
 
     def daemon_pid(self) -> int | None:

@@ -5,7 +5,7 @@ import logging
 
 import typer
 
-from forge_stream.cli.options import ready_kafka
+from forge_stream.cli.options import ready_kafka, user_error
 
 # idle connections stay open longer than the gateway's client keeps them (aiohttp: 15 s), so the gateway never sends a
 # request on a connection the engine is closing (uvicorn's default is 5 s)
@@ -36,6 +36,11 @@ def serve(
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
                                           help="Follow forge.policy on this Kafka and load each new version."),
     policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
+    token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
+                              help="Require this bearer token on every route but /health (needed to listen beyond "
+                                   "loopback); the gateway sends it with --engine-token."),
+    checkpoint_dir: str = typer.Option(None, help="/v1/admin/load_weights loads only directories inside this one "
+                                                  "(without it, none: the engine follows forge.policy)."),
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
     import uvicorn
@@ -45,12 +50,16 @@ def serve(
     from forge_stream.engine.settings import EngineSettings
     from forge_stream.settings import ForgeSettings
 
+    try:
+        settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
+                                  policy_version=policy_version, max_batch_size=max_batch_size,
+                                  max_model_len=max_model_len, dtype=dtype, device=device,
+                                  logprobs_mode=logprobs_mode, prefix_cache_tokens=prefix_cache_tokens,
+                                  token=token or None, checkpoint_dir=checkpoint_dir)
+    except ValueError as exc:
+        raise user_error(str(exc)) from None
     if bootstrap_servers:
         ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
-    settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
-                              policy_version=policy_version, max_batch_size=max_batch_size,
-                              max_model_len=max_model_len, dtype=dtype, device=device,
-                              logprobs_mode=logprobs_mode, prefix_cache_tokens=prefix_cache_tokens)
     # its own lines (ready, each policy version loaded) dated like the other services'; uvicorn's and aiokafka's
     # (the policy follower) at warning; no progress bar for each checkpoint loaded (a log, not a terminal)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -98,10 +107,14 @@ def vllm(
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
                                           help="Follow forge.policy on this Kafka and load each new version."),
     policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
+    token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
+                              help="Require this bearer token on every route but /health (needed to listen beyond "
+                                   "loopback); the gateway sends it with --engine-token."),
 ) -> None:
     """Serve MODEL with real vLLM (installed first if needed), each answer labelled with its policy version."""
     import uvicorn
 
+    from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
     from forge_stream.engine.vllm_engine import VllmEngineSettings, create_app
     from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
     from forge_stream.kafka.broker import free_port
@@ -110,6 +123,10 @@ def vllm(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:  # before anything is installed or started
+        refuse_open_bind("The engine", host, token, ENGINE_ENV)
+    except ValueError as exc:
+        raise user_error(str(exc)) from None
     if bootstrap_servers:
         ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
     cache_dir = ForgeSettings().cache_dir
@@ -122,5 +139,5 @@ def vllm(
         model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
-        extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run)
+        extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -17,7 +17,8 @@ from typing import Optional
 import httpx
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings, task_source
+from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
+from forge_stream.cli.options import admin_token as deployment_token
 
 
 def served_versions(gateway_url: str, admin_token: str | None) -> set[int]:
@@ -43,7 +44,7 @@ def eval_command(
     gateway_url: Optional[str] = typer.Option(None, help="Gateway base URL (default: the local one)."),
     concurrency: int = typer.Option(8, help="Episodes in flight."),
     agent_timeout: float = typer.Option(600.0, help="Seconds before an episode fails."),
-    admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN"),
+    admin_token: Optional[str] = AdminTokenOption,
     bootstrap_servers: Optional[str] = BootstrapOption,
     as_json: bool = JsonOption,
 ) -> None:
@@ -57,6 +58,7 @@ def eval_command(
 
     source = task_source(tasks)
     cfg = settings(bootstrap_servers)
+    admin_token = deployment_token(admin_token, cfg)
     url = gateway_url or f"http://127.0.0.1:{cfg.gateway_port}"
     served = served_versions(url, admin_token) if policy_version is not None else set()
     if served and served != {policy_version}:

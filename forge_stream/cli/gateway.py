@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, ready_kafka, settings, user_error
 from forge_stream.gateway.settings import GatewaySettings
 
 _SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
@@ -29,8 +29,12 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     bootstrap_servers: Optional[str] = BootstrapOption,
-    admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN",
-                                              help="Require bearer tokens (admin routes: this one)."),
+    admin_token: Optional[str] = typer.Option(
+        None, envvar="FORGE_GATEWAY_ADMIN_TOKEN",
+        help="Require bearer tokens: this one on the admin routes (sessions, rewards, finish), a session's own token "
+             "on its agent's calls. Needed to listen beyond loopback."),
+    engine_token: Optional[str] = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
+                                               help="The engines' bearer token, sent with every call to them."),
     public_url: Optional[str] = typer.Option(None, help="Base of the URLs handed to agents."),
     max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
     max_queue: int = typer.Option(32, help="In-flight requests on a group's engine before it is bypassed."),
@@ -68,15 +72,18 @@ def serve(
     from forge_stream.gateway.workers import bind_port, run_workers
 
     cfg = settings(bootstrap_servers)
-    bootstrap = cfg.bootstrap
+    try:
+        gateway = GatewaySettings(
+            engines=tuple(engine), bootstrap=cfg.bootstrap, host=host, port=port, public_url=public_url,
+            admin_token=admin_token or None, engine_token=engine_token or None, max_request_bytes=max_request_bytes,
+            max_queue=max_queue, ack_timeout_ms=ack_timeout_ms, linger_ms=linger_ms, max_in_flight=max_in_flight,
+            max_waiting=max_waiting, max_wait_s=max_wait_s, shed_retry_after_s=shed_retry_after_s,
+            max_open_sessions=max_open_sessions, finished_sessions_kept=finished_sessions_kept,
+            default_policy_version=policy_version, engine_logprobs_mode=engine_logprobs_mode,
+            shared_sessions=shared_sessions, workers=workers)
+    except ValueError as exc:
+        raise user_error(str(exc)) from None
     ready_kafka(cfg)
-    gateway = GatewaySettings(
-        engines=tuple(engine), bootstrap=bootstrap, host=host, port=port,
-        public_url=public_url, admin_token=admin_token, max_request_bytes=max_request_bytes, max_queue=max_queue,
-        ack_timeout_ms=ack_timeout_ms, linger_ms=linger_ms, max_in_flight=max_in_flight, max_waiting=max_waiting,
-        max_wait_s=max_wait_s, shed_retry_after_s=shed_retry_after_s, max_open_sessions=max_open_sessions,
-        finished_sessions_kept=finished_sessions_kept, default_policy_version=policy_version,
-        engine_logprobs_mode=engine_logprobs_mode, shared_sessions=shared_sessions, workers=workers)
     options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s,
                    http=CoalescingHttpToolsProtocol)
     if workers == 1:

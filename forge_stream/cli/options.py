@@ -49,6 +49,21 @@ def ready_kafka(cfg: ForgeSettings) -> None:
         raise typer.Exit(3)
 
 
+AdminTokenOption = typer.Option(
+    None, envvar="FORGE_GATEWAY_ADMIN_TOKEN",
+    help="The gateway's admin token (default: the one `forge-stream up` generated into this home's credentials.json).")
+
+
+def admin_token(given: Optional[str], cfg: ForgeSettings) -> Optional[str]:
+    """The gateway admin token a client of the deployment sends: the one given, else the home's (`up` made it)."""
+    from forge_stream import credentials
+
+    if given:
+        return given
+    found = credentials.load(cfg.home)
+    return found.gateway_admin_token if found else None
+
+
 _KAFKA_ENV = tuple(f"FORGE_{field.upper()}" for field in KAFKA_FIELDS)
 
 

@@ -16,7 +16,10 @@ from typing import Optional
 import typer
 from rich.progress import Progress
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, ready_kafka, settings, task_source
+from forge_stream.cli.options import (
+    AdminTokenOption, BootstrapOption, JsonOption, ready_kafka, settings, task_source,
+)
+from forge_stream.cli.options import admin_token as deployment_token
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 
@@ -69,7 +72,7 @@ def run(
     loop: bool = typer.Option(False, "--loop", help="Start the source over (next cycle) until stopped."),
     max_groups: Optional[int] = typer.Option(None, help="Stop after this many groups."),
     agent_timeout: float = typer.Option(600.0, help="Seconds before an episode fails (session status error)."),
-    admin_token: Optional[str] = typer.Option(None, envvar="FORGE_GATEWAY_ADMIN_TOKEN"),
+    admin_token: Optional[str] = AdminTokenOption,
     report_every: float = typer.Option(30.0, help="Without a terminal (a service's log, a pipe): log the groups, "
                                                   "sessions and mean reward every this many seconds (0: never)."),
     bootstrap_servers: Optional[str] = BootstrapOption,
@@ -87,7 +90,7 @@ def run(
     if group_size is not None:
         source = ResizedTasks(source, group_size)
     rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
-                              admin_token, concurrency, attempt, loop, max_groups)
+                              deployment_token(admin_token, cfg), concurrency, attempt, loop, max_groups)
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
     reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
     if reports:

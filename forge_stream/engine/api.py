@@ -2,7 +2,11 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `POST /v1/admin/load_weights`. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`;
-invalid requests are 400 (as vLLM), not FastAPI's 422.
+invalid requests are 400 (as vLLM), not FastAPI's 422; an unexpected error is 500 with a request id and nothing of
+the error itself (that goes to the log).
+
+With a token (EngineSettings.token) every route but /health needs it. `load_weights` loads only a directory
+inside the engine's checkpoint directory (symbolic links resolved first); without one it loads nothing.
 
 The generation routes read their own bodies under the engine's limits (size while reading, JSON depth), and
 parse, validate and tokenize them on the engine's preparing thread, so a large request never stalls the event
@@ -13,8 +17,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from forge_stream import httpbody
+from forge_stream.credentials import RequireBearer
 
 from forge_stream.engine.policy_watch import watch_policy
 from forge_stream.engine.serving import EngineRequestError, EngineService
@@ -91,7 +99,19 @@ async def health(request: Request) -> HealthResponse:
 
 @router.post("/v1/admin/load_weights", response_model=LoadWeightsResponse)
 async def load_weights(body: LoadWeightsRequest, request: Request) -> LoadWeightsResponse:
-    return await _engine(request).load_weights(body.path, body.version)
+    engine = _engine(request)
+    return await engine.load_weights(checkpoint_path(engine.settings.checkpoint_dir, body.path), body.version)
+
+
+def checkpoint_path(checkpoint_dir: str | None, path: str) -> str:
+    """`path` resolved (symbolic links followed), if it lies inside `checkpoint_dir`; 403 otherwise."""
+    if checkpoint_dir is None:
+        raise EngineRequestError("This engine loads no weights over HTTP (it was started without "
+                                 "--checkpoint-dir); it follows forge.policy.", status=403, param="path")
+    root, target = Path(checkpoint_dir).resolve(), Path(path).resolve()
+    if not target.is_relative_to(root):
+        raise EngineRequestError("The path is outside the engine's checkpoint directory.", status=403, param="path")
+    return str(target)
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -131,8 +151,7 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
     @app.exception_handler(EngineRequestError)
     async def _engine_error(_: Request, exc: EngineRequestError) -> JSONResponse:
         kind = "BadRequestError" if exc.status < 500 else "InternalServerError"
-        if exc.status == 404:
-            kind = "NotFoundError"
+        kind = {403: "PermissionDeniedError", 404: "NotFoundError"}.get(exc.status, kind)
         return _error(exc.status, exc.message, kind, exc.param)
 
     @app.exception_handler(httpbody.BodyRejected)
@@ -145,4 +164,15 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return _error(400, str(exc.errors()), "BadRequestError", param)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        request_id = f"req_{uuid.uuid4().hex}"
+        log.error("engine error (request id %s)", request_id, exc_info=exc)
+        response = _error(500, f"Internal engine error (request id {request_id}); its details are in the engine's "
+                               "log.", "InternalServerError")
+        response.headers["x-request-id"] = request_id
+        return response
+
+    if engine.settings.token:
+        app.add_middleware(RequireBearer, token=engine.settings.token)
     return app

@@ -16,8 +16,10 @@ Results go back through a per-request `sink` callable (the async side wraps an a
 blocks on a client.
 """
 
+import logging
 import queue
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +31,8 @@ from xgrammar import CompiledGrammar
 from forge_stream.engine.constraints import Constraint
 from forge_stream.engine.detok import IncrementalText
 from forge_stream.engine.sampling import LogprobsMode, SamplingParams, choose, make_generator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,16 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request failed inside the engine; no more events follow."""
+    """The request failed inside the engine; no more events follow. `message` is for the client: it names a
+    request id under which the log has the error (never the error's own text)."""
 
     message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failed":
+        request_id = f"req_{uuid.uuid4().hex}"
+        log.error("engine error (request id %s)", request_id, exc_info=exc)
+        return cls(f"Internal engine error (request id {request_id}); its details are in the engine's log.")
 
 
 Event = Admitted | TokenEvent | Failed
@@ -280,7 +291,7 @@ class Scheduler:
             try:
                 self._prefill(request)
             except Exception as exc:  # a bad request must not stop the loop
-                request.sink(Failed(f"{type(exc).__name__}: {exc}"))
+                request.sink(Failed.of(exc))
 
     def _prefill(self, request: Request) -> None:
         loaded = self.current
@@ -330,7 +341,7 @@ class Scheduler:
                 self._decode_group(batch)
             except Exception as exc:
                 for request in {id(s.request): s.request for s in seqs}.values():
-                    request.sink(Failed(f"{type(exc).__name__}: {exc}"))
+                    request.sink(Failed.of(exc))
                 for seq in seqs:
                     seq.finished = True
                 self._batches.pop(version, None)

@@ -2,12 +2,18 @@
 
 from dataclasses import dataclass
 
+from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.sampling import LogprobsMode
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """`model` is a HuggingFace causal-LM directory; it is also the served model name unless one is given."""
+    """`model` is a HuggingFace causal-LM directory; it is also the served model name unless one is given.
+
+    With `token` set every route but /health needs it as a bearer token; bound beyond loopback the engine refuses
+    to start without one (ValueError). `/v1/admin/load_weights` loads only directories inside `checkpoint_dir`
+    (none: it loads nothing; the engine still follows forge.policy).
+    """
 
     model: str
     served_model_name: str | None = None
@@ -24,6 +30,11 @@ class EngineSettings:
     max_request_bytes: int = 8 * 1024 * 1024  # body size, checked while it is read
     max_json_depth: int = 64  # nesting of the body's JSON objects/arrays (e.g. tool parameter schemas)
     max_choices: int = 128  # n times the number of prompts
+    token: str | None = None
+    checkpoint_dir: str | None = None
+
+    def __post_init__(self):
+        refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
 
     @property
     def model_name(self) -> str:

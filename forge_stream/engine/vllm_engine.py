@@ -15,7 +15,9 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   be proven is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
   its supervisor starts it afresh.
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
-- **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route.
+- **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
+  token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
+  start without one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from forge_stream.credentials import ENGINE_ENV, RequireBearer, refuse_open_bind
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
@@ -72,6 +75,10 @@ class VllmEngineSettings:
     extra_args: tuple[str, ...] = ()
     bootstrap: str | None = None
     policy_run: str = "default"
+    token: str | None = None  # with it, every route but /health needs it as a bearer token
+
+    def __post_init__(self):
+        refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
 
     @property
     def name(self) -> str:
@@ -263,6 +270,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
                 "loads": state.loads, "failed_loads": state.failed_loads, "probe_mismatch": state.last_mismatch}
 
+    if settings.token:
+        app.add_middleware(RequireBearer, token=settings.token)
     return app
 
 

@@ -7,7 +7,8 @@ a third of their CPU, the stack's layers (error handling, FastAPI's telemetry an
 another tenth. FastAPI still describes those routes (OpenAPI) and serves everything else.
 
 An unexpected error is answered 500 by `_ContainErrors`, which keeps the client's keep-alive connection usable
-(Starlette's own last-resort handler re-raises, and uvicorn then drops the connection)."""
+(Starlette's own last-resort handler re-raises, and uvicorn then drops the connection). Its body says nothing of the
+error but a request id (also in `x-request-id`), under which the log has the traceback."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import math
 import os
+import uuid
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -40,6 +42,14 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
                     media_type="application/json", headers=headers)
 
 
+def internal_error(exc: BaseException) -> Response:
+    """The 500 answer to an unexpected error: a generic message and a request id; the details go to the log only."""
+    request_id = f"req_{uuid.uuid4().hex}"
+    log.error("gateway error (request id %s)", request_id, exc_info=exc)
+    return _error(500, f"Internal gateway error (request id {request_id}); its details are in the gateway's log.",
+                  headers={"x-request-id": request_id})
+
+
 class GatewayApp(FastAPI):
     """The gateway's FastAPI app, whose hot path, an agent's call (POST to chat/completions, completions, responses
     or messages), goes straight to its function in the router, past the middleware stack, route matching and
@@ -59,8 +69,7 @@ class GatewayApp(FastAPI):
         except BodyRejected as exc:
             response = _error(exc.status, exc.message, exc.param)
         except Exception as exc:
-            log.exception("gateway error")
-            response = _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")
+            response = internal_error(exc)
         await response(scope, receive, send)
 
 
@@ -93,8 +102,7 @@ class _ContainErrors:
         except Exception as exc:
             if started:
                 raise
-            log.exception("gateway error")
-            await _error(500, f"Internal gateway error: {type(exc).__name__}: {exc}")(scope, receive, send)
+            await internal_error(exc)(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> FastAPI:
@@ -108,7 +116,9 @@ def create_app(settings: GatewaySettings, sink: EventSink | None = None) -> Fast
                                                             "linger.ms": settings.linger_ms})
         connector = aiohttp.TCPConnector(limit=settings.engine_connections)
         timeout = aiohttp.ClientTimeout(total=settings.engine_timeout_s, connect=5.0)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as http:
+        engine_auth = {"Authorization": f"Bearer {settings.engine_token}"} if settings.engine_token else None
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                         headers=engine_auth) as http:
             app.state.gateway = GatewayService(settings, sink or producer, http)
             try:
                 await app.state.gateway.restorer.start()

@@ -319,7 +319,8 @@ class SessionRestorer:
         try:
             return await asyncio.to_thread(read, *args)
         except (KafkaException, TimeoutError) as exc:
-            raise GatewayError(503, f"The session's events could not be read from Kafka: {exc}",
+            log.warning("a session's events could not be read from Kafka: %s", exc)
+            raise GatewayError(503, "The session's events could not be read from Kafka; retry shortly.",
                                "service_unavailable", retry_after=self.settings.retry_after_s) from exc
 
     async def start(self) -> None:
@@ -405,7 +406,8 @@ class SessionRestorer:
             await self.log.caught_up({t.name: reader.partition_of(t, group) for t in (TOPICS.completions,
                                                                                    TOPICS.sessions)})
         except (KafkaException, TimeoutError) as exc:
-            raise GatewayError(503, f"What other replicas recorded could not be read from Kafka: {exc}",
+            log.warning("what other replicas recorded could not be read from Kafka: %s", exc)
+            raise GatewayError(503, "What other replicas recorded could not be read from Kafka; retry shortly.",
                                "service_unavailable", retry_after=self.settings.retry_after_s) from exc
         if session.id in self.log.finished:
             if session.status == "open":

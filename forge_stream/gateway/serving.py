@@ -29,6 +29,7 @@ wait for them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Protocol
@@ -58,6 +59,7 @@ from forge_stream.gateway.spans import (
 from forge_stream.gateway.textspans import METADATA_KEY, TextTurn, agent_rule, load_rule, text_spans
 from forge_stream.topics import TOPICS, Topic
 
+log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -130,6 +132,11 @@ class GatewayService:
     def unavailable(self, message: str) -> GatewayError:
         return GatewayError(503, message, "service_unavailable", retry_after=self.settings.retry_after_s)
 
+    def engine_failed(self, engine: Engine, exc: BaseException) -> GatewayError:
+        """503 for an engine that broke off: the caller learns the kind of failure, the log where and why."""
+        log.warning("engine %s failed: %s: %s", engine.url, type(exc).__name__, exc)
+        return self.unavailable(f"The engine failed ({type(exc).__name__}); retry shortly.")
+
     async def publish(self, items: list[tuple[Topic, str, dict, str | None]]) -> list[int]:
         """Send every event and wait until Kafka acknowledged all of them (their offsets); 503 if any was not."""
         futures = []
@@ -155,7 +162,8 @@ class GatewayService:
                                     f"(shorter metadata, tool arguments or prompts).", "invalid_request_error")
         error = error or next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
-            raise self.unavailable(f"Kafka did not acknowledge the events, so nothing was recorded: {error}")
+            log.warning("Kafka did not acknowledge %s events: %s", topic.name, error)
+            raise self.unavailable("Kafka did not acknowledge the events, so nothing was recorded; retry shortly.")
         return results
 
     # ----- sessions --------------------------------------------------------------------------------------
@@ -263,15 +271,16 @@ class GatewayService:
                 failures.append(f"{engine.url}: {exc}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 engine.in_flight -= 1
-                raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
-        raise self.unavailable("No engine is reachable: " + "; ".join(failures))
+                raise self.engine_failed(engine, exc) from exc
+        log.warning("no engine is reachable: %s", "; ".join(failures))
+        raise self.unavailable("No engine is reachable; retry shortly.")
 
     async def _read(self, response: aiohttp.ClientResponse, engine: Engine) -> bytes:
         """The whole body of a response from `engine`; 503 if the engine breaks off."""
         try:
             return await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise self.unavailable(f"Engine {engine.url} failed: {type(exc).__name__}: {exc}") from exc
+            raise self.engine_failed(engine, exc) from exc
         finally:
             response.release()
             engine.in_flight -= 1

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forge_stream.credentials import GATEWAY_ENV, refuse_open_bind
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
     """`engines` are OpenAI base URLs without `/v1` (e.g. http://127.0.0.1:8100); `bootstrap` is Kafka's.
 
     With `admin_token` set, auth is on: session, reward and finish routes need the admin token, and an agent's
-    calls need its session token (returned when the session is created), which reaches only that session.
+    calls need its session token (returned when the session is created), which reaches only that session. Bound
+    beyond loopback, the gateway refuses to start without it (ValueError). `engine_token` is sent to the engines.
     """
 
     engines: tuple[str, ...]
@@ -19,6 +22,7 @@ class GatewaySettings:
     port: int = 8000
     public_url: str | None = None  # base of the URLs handed to agents; default: the URL the caller used
     admin_token: str | None = None
+    engine_token: str | None = None  # the engines' bearer token (FORGE_ENGINE_TOKEN), sent with every engine call
     # Limits, checked before a request reaches an engine or Kafka (past one: 4xx saying what to change)
     max_request_bytes: int = 8 * 1024 * 1024  # a body's size (413), checked while it is read
     max_json_depth: int = 64  # nesting of a body's JSON objects/arrays (e.g. tool parameter schemas)
@@ -71,6 +75,9 @@ class GatewaySettings:
     # hosts), Kafka's tail is followed instead
     worker_ledger: str | None = None
     workers: int = 1
+
+    def __post_init__(self):
+        refuse_open_bind("The gateway", self.host, self.admin_token, GATEWAY_ENV)
 
     @property
     def replicated(self) -> bool:

@@ -1,7 +1,9 @@
 """How an agent is launched for one session: a command line (any language) or a Python coroutine.
 
-The agent only learns an OpenAI base URL and key (OPENAI_BASE_URL, OPENAI_API_KEY) and its task (FORGE_TASK_JSON,
-also on stdin); whatever it prints on stdout is its output for the grader.
+The agent only learns an OpenAI base URL and key (OPENAI_BASE_URL, OPENAI_API_KEY: its session's token, never the
+deployment's) and its task (FORGE_TASK_JSON, also on stdin); whatever it prints on stdout is its output for the
+grader. The controller's own tokens (FORGE_GATEWAY_ADMIN_TOKEN, FORGE_ENGINE_TOKEN) are taken out of the
+environment it inherits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import shlex
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
+
+from forge_stream.credentials import agent_env
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class CommandAgent:
     timeout_s: float = 600.0
 
     async def __call__(self, ctx: AgentContext) -> AgentResult:
-        env = {**os.environ, "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
+        env = {**agent_env(os.environ), "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
                "FORGE_SESSION_ID": ctx.session_id, "FORGE_TASK_JSON": json.dumps(ctx.task)}
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(self.command), env=env, stdin=asyncio.subprocess.PIPE,

@@ -28,6 +28,7 @@ import shlex
 import uuid
 from dataclasses import dataclass, field
 
+from forge_stream.credentials import agent_env
 from forge_stream.rollout.agents import AgentContext, AgentResult
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class PooledCommandAgent:
         self._lock = asyncio.Lock()
 
     async def _start(self) -> _Worker:
-        env = {**os.environ, "FORGE_AGENT_THREADS": str(self.per_worker)}
+        env = {**agent_env(os.environ), "FORGE_AGENT_THREADS": str(self.per_worker)}
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(self.command), env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=LINE_LIMIT, start_new_session=True)

@@ -5,6 +5,11 @@
 # Then point the gateway at each engine (--engine http://host:8100). `forge-stream up cluster --host gpu-N` runs the
 # same command from topologies/cluster.yaml.
 #
+# It listens on 127.0.0.1 unless BIND says otherwise; beyond loopback (BIND=0.0.0.0, for gateways on other hosts) the
+# engine refuses to start without FORGE_ENGINE_TOKEN, which it then requires on every route but /health (give the
+# gateways the same token: `gateway serve --engine-token`, or FORGE_ENGINE_TOKEN; `forge-stream up` generates it into
+# its home's credentials.json).
+#
 # `forge-stream engine vllm` installs the pinned runtime if needed (vllm==0.32.0 and lmcache on GPU hosts), starts
 # vLLM bound to 127.0.0.1 on a private port (its dev control routes, which reload weights, never leave the host),
 # and serves the engine protocol on PORT: every answer carries the policy version that produced it. It follows
@@ -17,7 +22,7 @@ KAFKA="${KAFKA:?set KAFKA to the bootstrap servers}"
 PORT="${PORT:-8100}"
 RUN="${RUN:-default}"
 LMCACHE_HOST="${LMCACHE_HOST:-127.0.0.1}"
-BIND="${BIND:-0.0.0.0}"
+BIND="${BIND:-127.0.0.1}"
 config="$(mktemp --suffix=.yaml)"
 sed "s#lm://lmcache-host:#lm://${LMCACHE_HOST}:#" "$here/lmcache.yaml" > "$config"
 export LMCACHE_CONFIG_FILE="$config"

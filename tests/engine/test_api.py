@@ -142,8 +142,9 @@ def test_bad_requests_get_openai_errors(engine_url):
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
     long = httpx.post(f"{engine_url}/v1/completions", json={"prompt": "hi", "max_tokens": 10**6})
     assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
-    missing = httpx.post(f"{engine_url}/v1/admin/load_weights", json={"path": "/nonexistent", "version": 3})
-    assert missing.status_code == 404
+    # started without --checkpoint-dir: it loads nothing over HTTP (tests/security tries paths against one with it)
+    refused = httpx.post(f"{engine_url}/v1/admin/load_weights", json={"path": "/nonexistent", "version": 3})
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "PermissionDeniedError"
 
 
 def test_hostile_requests_are_400_before_they_run(engine_url):

@@ -15,7 +15,8 @@ def test_reload_mid_stream_keeps_old_version_for_in_flight_request(tiny_model_di
                                                                   reference_logprobs):
     body = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "logprobs": True, "return_token_ids": True,
             "ignore_eos": True, "stream": True}
-    with EngineProcess(str(tiny_model_dir)) as engine, httpx.Client(base_url=engine.url, timeout=60) as client:
+    with EngineProcess(str(tiny_model_dir), extra_args=("--checkpoint-dir", str(tiny_model_dir_v1.parent))) as engine, \
+            httpx.Client(base_url=engine.url, timeout=60) as client:
         chunks = []
         with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             lines = (line[6:] for line in stream.iter_lines() if line.startswith("data: "))
