@@ -118,9 +118,8 @@ def _latest_policy(bootstrap: str, run: str) -> int:
 
 
 def _served_version(engine_url: str) -> int | None:
-    models = httpx.get(f"{engine_url}/v1/models", timeout=10).json().get("data", [])
-    versions = [m.get("policy_version") for m in models if m.get("policy_version") is not None]
-    return max(versions) if versions else None
+    """The policy version the engine serves, from its /health (the one route that needs no engine token)."""
+    return httpx.get(f"{engine_url}/health", timeout=10).json().get("policy_version")
 
 
 def _wait_served(engine_url: str, version: int, timeout_s: float = 120.0) -> int | None:

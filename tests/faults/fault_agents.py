@@ -49,9 +49,10 @@ class Traffic(threading.Thread):
     worker pausing `pause_s` between its groups."""
 
     def __init__(self, gateway: str, bootstrap: str, run: str, group_size: int = 2, concurrency: int = 2,
-                 pause_s: float = 0.0):
+                 pause_s: float = 0.0, admin_token: str | None = None):
         super().__init__(daemon=True, name="fault-traffic")
         self.gateway, self.bootstrap, self.run_id = gateway, bootstrap, run
+        self.auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}  # the deployment's (`up`)
         self.group_size, self.concurrency, self.pause_s = group_size, concurrency, pause_s
         self.ledger = Ledger()
         self.tasks: dict[str, dict] = {}  # group id -> its Task
@@ -70,7 +71,7 @@ class Traffic(threading.Thread):
     async def _main(self) -> None:
         producer = EventProducer(self.bootstrap, patient=True, log_level=0)  # it waits broker restarts out quietly
         try:
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=60, headers=self.auth) as client:
                 await asyncio.gather(*(self._worker(client, producer) for _ in range(self.concurrency)))
         finally:
             await asyncio.to_thread(producer.close)

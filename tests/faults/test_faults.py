@@ -28,6 +28,7 @@ import httpx
 import pytest
 from confluent_kafka import Consumer
 
+from forge_stream import credentials
 from forge_stream.deploy import local_broker
 from forge_stream.kafka.broker import free_port
 from forge_stream.processors import ProcessorSettings
@@ -159,7 +160,8 @@ def test_nothing_acknowledged_is_lost_nor_trained_twice_through_kills_and_poison
     try:
         deployment.up()
         traffic = Traffic(deployment.gateway, deployment.bootstrap, "faults", group_size=2, concurrency=1,
-                          pause_s=0.5)  # leaves CPU to the restarts
+                          pause_s=0.5,  # leaves CPU to the restarts
+                          admin_token=credentials.load(deployment.settings.home).gateway_admin_token)
         traffic.start()
         clock("up")
         for victim in VICTIMS:
