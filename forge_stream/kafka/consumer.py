@@ -231,7 +231,8 @@ class DecodingConsumer:
 
 
 RETRIABLE = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT}
+             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TRANSPORT,
+             KafkaError._ALL_BROKERS_DOWN}  # a broker restarting (the supervisor restarts the embedded one)
 COORDINATOR_STARTING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
                         KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TRANSPORT}
 

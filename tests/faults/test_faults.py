@@ -127,6 +127,8 @@ def hurt(deployment: Deployment, traffic: Traffic, victim: str, clock) -> None:
     until(lambda: (s := deployment.service(victim))["restarts"] > restarts and s["healthy"], 120,
           f"the {victim} restarted")
     assert deployment.service(victim)["last_exit"]["reason"] == "killed by SIGKILL"
+    if victim == "broker":  # its process runs before it answers: the supervisor has no health URL for it
+        local_broker(deployment.settings).wait_ready(120)
     acked, samples, steps = (traffic.ledger.acknowledged, deployment.high(TOPICS.samples),
                              deployment.high(TOPICS.train_metrics))
     until(lambda: traffic.ledger.acknowledged >= acked + 6, 120, f"traffic after the {victim} came back")
