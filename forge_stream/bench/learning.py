@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -239,12 +239,16 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         supervisor = Supervisor(cfg.run_dir)
         cpu_before = _cpu_by_service(cfg)
         rl_started, rl_started_ms = time.monotonic(), int(time.time() * 1000)
-        from forge_stream.deploy import controller_service
+        from forge_stream import credentials
+        from forge_stream.deploy import controller_service, credentials_env
 
-        supervisor.start(controller_service(cfg, {
+        controller = controller_service(cfg, {
             "tasks": f"suite:train?seed={seed}&mix={s.mix}", "agent": AGENT, "agent_workers": s.agent_workers,
             "agent_per_worker": -(-s.concurrency // s.agent_workers), "concurrency": s.concurrency,
-            "group_size": s.group_size, "name": run_id, "loop": True}))
+            "group_size": s.group_size, "name": run_id, "loop": True})
+        # the gateway `up` started takes sessions opened with the deployment's admin token only
+        supervisor.start(replace(controller, env={**controller.env,
+                                                  **credentials_env("controller", credentials.load(cfg.home))}))
         deadline = rl_started + s.rl_minutes * 60
         shown = 0
         while time.monotonic() < deadline:

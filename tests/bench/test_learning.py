@@ -113,5 +113,6 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert run["final_reward"] == pytest.approx(sum(pairs["final"]) / 6)
         assert run["warm_start"]["steps"] == 10 and not run["warm_start"]["reached"]
         assert 0 < run["rl_minutes"] < 3
+        assert run["steps"] >= 1 and run["groups_trained"] >= 2  # the controller's sessions reached the gateway
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
