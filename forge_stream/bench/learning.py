@@ -271,6 +271,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
         progress(f"{tag}   test reward {_describe(final)}")
         steps = _train_steps(cfg.bootstrap, run_id)
+        if not steps:
+            raise NothingTrained(f"{tag} no training step in {s.rl_minutes:g} minutes of RL, so there is no gain "
+                                 f"to report: the rollouts never reached the trainer; read "
+                                 f"{cfg.run_dir / 'controller.log'} and {cfg.run_dir / 'trainer.log'}")
         first_ms = _first_rollout_ms(cfg.bootstrap, rl_started_ms) or rl_started_ms
         rl_minutes = ((steps[-1]["event_time"] if steps else stopped_ms) - first_ms) / 60000
         if s.plot:
@@ -292,6 +296,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             from forge_stream.deploy import local_broker
 
             local_broker(cfg).stop()
+
+
+class NothingTrained(RuntimeError):
+    """RL ran its budget without one training step: an improvement would be a second evaluation's noise."""
 
 
 def _proc_tree_cpu_s(root: int) -> float:

@@ -244,7 +244,7 @@ def learning(
 ) -> None:
     """Per seed: warm start, test eval, RL through the whole pipeline for a fixed budget, test eval again; the
     improvement's 95% interval over test tasks and seeds. Refuses (exit 3) a warm start outside --band."""
-    from forge_stream.bench.learning import LearningSettings, OutsideBand, run
+    from forge_stream.bench.learning import LearningSettings, NothingTrained, OutsideBand, run
 
     if engine_kind not in ("torch", "vllm"):
         typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)
@@ -262,4 +262,7 @@ def learning(
         typer.echo(f"refusing to start RL: {exc}", err=True)
         emit(exc.result, as_json)
         raise typer.Exit(3)
+    except NothingTrained as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     emit(result, as_json)
