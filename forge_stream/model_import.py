@@ -111,6 +111,8 @@ def import_model(source: Path, out: Path, dtype: str = "float32", chat_template:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from forge_stream.engine.tiny import portable_tokenizer_config
+
     if dtype not in DTYPES:
         raise ImportFailed(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     source = Path(source).expanduser()
@@ -148,7 +150,7 @@ def import_model(source: Path, out: Path, dtype: str = "float32", chat_template:
     progress(f"Writing {out} ({dtype})...")
     model.save_pretrained(work, safe_serialization=True)
     tokenizer.save_pretrained(work)
-    _portable_tokenizer_config(work / "tokenizer_config.json", template)
+    portable_tokenizer_config(work / "tokenizer_config.json", template)
     if original:
         (work / ORIGINAL_TEMPLATE).write_text(original)
     GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
@@ -185,7 +187,7 @@ def _choose_template(tokenizer, given: Path | None) -> tuple[str, str, str | Non
                 "tools or tool results")
         if system is None:
             return forge_chatml(), note, own
-        return _with_default_system(forge_chatml(), system), note + f"; its default system prompt is kept", own
+        return _with_default_system(forge_chatml(), system), note + "; its default system prompt is kept", own
     raise ImportFailed("the model's chat template renders no tools and is not ChatML; write one that renders "
                        "`tools` and tool results and pass it with --chat-template FILE")
 
@@ -235,14 +237,6 @@ def _fix_special_tokens(tokenizer, model) -> list[int]:
     model.config.eos_token_id = eos[0]
     model.config.pad_token_id = tokenizer.pad_token_id
     return eos
-
-
-def _portable_tokenizer_config(path: Path, template: str) -> None:
-    """Name the generic fast-tokenizer class and inline the template, so transformers 4.x (vLLM) loads it too."""
-    cfg = json.loads(path.read_text())
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=template, add_bos_token=False,
-               add_eos_token=False)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _check_round_trip(model, tokenizer, written: Path) -> float:

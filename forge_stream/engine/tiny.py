@@ -102,11 +102,12 @@ def _config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
     return Qwen2Config(use_sliding_window=False, **common), Qwen2ForCausalLM
 
 
-def _portable_tokenizer_config(path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
-    """Name the generic fast-tokenizer class and inline the template, so transformers 4.x (vLLM) loads it too."""
+def portable_tokenizer_config(path: Path, template: str, **extra) -> None:
+    """Name the generic fast-tokenizer class and inline the template, so transformers 4.x (vLLM) loads it too
+    (`extra`: other keys to set)."""
     cfg = json.loads(path.read_text())
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template,
-               bos_token=None, add_bos_token=False, add_eos_token=False)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=template, add_bos_token=False,
+               add_eos_token=False, **extra)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -120,7 +121,7 @@ def init_tiny_model(out: Path, spec: TinyModelSpec = TinyModelSpec()) -> dict:
     model = model_cls(config).eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _portable_tokenizer_config(out / "tokenizer_config.json", tokenizer)
+    portable_tokenizer_config(out / "tokenizer_config.json", tokenizer.chat_template, bos_token=None)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(out)
     return {
