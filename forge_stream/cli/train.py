@@ -34,7 +34,11 @@ def train(
     batch_size: int = typer.Option(8, help="Groups per optimizer step."),
     window: str = typer.Option("0.3", help="Windowed FIFO: a fraction, a count, or 'greedy'."),
     rollout_slots: Optional[int] = typer.Option(None, help="Basis of a fractional window (default: the queue)."),
-    group_timeout: float = typer.Option(600.0, help="Skip a group unfinished after this many seconds."),
+    group_timeout: float = typer.Option(900.0, help="Backstop: skip the group blocking the window once it has had "
+                                                    "no event for this many seconds (idle, whatever its age; its "
+                                                    "sessions, completions, tool spans and rewards count). Keep it "
+                                                    "above the processors' --group-timeout-s, which cut an idle "
+                                                    "group first."),
     max_staleness: Optional[int] = typer.Option(None, help="Bound on trainer version minus sample version."),
     stale_action: str = typer.Option("keep", help="keep (and count) or drop (and record) samples over the bound."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),

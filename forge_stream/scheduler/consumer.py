@@ -21,8 +21,16 @@ A record that cannot be decoded goes to forge.dlq too (DecodingConsumer) and is 
 watermark passes it only with everything before it: a dead letter never commits past an untrained group.
 
 Skips. The window never waits on a group that cannot come: a GroupSkipped (forge.samples) retires its group at
-once. A group that neither trains nor is skipped upstream is skipped after `group_timeout_s`, counted from the
-Task's event time (or from when it was written to Kafka, if later), so a restart does not restart the clock.
+once, and the processors publish one when they cut a group that went idle (no event for their group timeout) or
+outgrew its size bound. The consumer's own timeout is a backstop for a group the processors never close (they are
+down, or lost it): the group blocking the window is skipped once `group_timeout_s` passed with no event of it, the
+same idle rule as the processors'. The consumer reads only the Task and the sample of a group, so when that much
+time has passed since the last event it saw, it looks for later ones: it reads the group's partition of the
+processors' other inputs (sessions, completions, tool spans, rewards) from that time on (`group_activity`), and the
+clock starts again at the latest it finds. A group whose events keep coming is never skipped, however long it
+runs. Times are the events' own (event time, or when written to Kafka if later) and all come from Kafka, so a
+restart does not restart the clock. The default (900 s) is above the processors' (600 s), so with both at their
+defaults the processors' cut comes first.
 
 Order. Nothing is handed out before the consumer has read each partition it holds up to its end since it was
 assigned: Tasks and samples are keyed by group, so an older group's Task may sit in a partition that is read
@@ -44,9 +52,12 @@ from forge_stream.events.claims import ClaimError, redeem
 from forge_stream.kafka.consumer import DecodingConsumer, Event, commit_end_offsets, dead_letter
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
+from forge_stream.kafka.reader import PartitionReader
 from forge_stream.processors.groups import InvalidEvent, validate as check_event
 from forge_stream.scheduler.window import WindowedFifo, WindowSpec
 from forge_stream.topics import TOPICS
+
+ACTIVITY_TOPICS = (TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
 
 @dataclass(frozen=True)
 class SchedulerSettings:
@@ -57,7 +68,7 @@ class SchedulerSettings:
     batch_size: int = 32
     window: WindowSpec = field(default_factory=WindowSpec)
     rollout_slots: int | None = None
-    group_timeout_s: float = 600.0
+    group_timeout_s: float = 900.0
     max_staleness: int | None = None
     stale_action: Literal["drop", "keep"] = "keep"
     poll_s: float = 0.2
@@ -155,6 +166,8 @@ class WindowedConsumer:
         self._seq_of: dict[str, int] = {}
         self._samples: dict[int, Event] = {}
         self._records_of: dict[str, list[tuple[str, int, int]]] = {}
+        self._active_ms: dict[str, int] = {}  # a queued group's latest event time known here
+        self._reader = PartitionReader(settings.bootstrap)
 
     def poll(self, timeout: float) -> bool:
         """Ingest at most one event; False when nothing arrived."""
@@ -219,6 +232,7 @@ class WindowedConsumer:
 
     def close(self) -> None:
         self._source.close()
+        self._reader.close()
         self._producer.close()
 
     def _queue(self, task: Event) -> None:
@@ -234,6 +248,7 @@ class WindowedConsumer:
             return
         self._tasks.setdefault(seq, task)
         self._seq_of[group] = seq
+        self._active_ms[group] = max(task.record["event_time"], task.timestamp_ms)
         self._core.submit(seq)
 
     def _finish(self, sample: Event) -> None:
@@ -294,23 +309,30 @@ class WindowedConsumer:
         return Batch(samples, staleness, version, over)
 
     def _expire(self) -> None:
-        """Skip the group that blocks the window once it has been waited for longer than the timeout.
+        """Skip the group that blocks the window once it has had no event for longer than the timeout.
 
-        The clock starts at the Task's event time, or when the Task was written to Kafka if that is later (a
-        back-filled Task stream is not skipped wholesale). Both are part of the record, so a restarted trainer
-        goes on with the clock instead of starting it again. Nothing expires before the consumer has caught up
-        with its inputs (a poll found nothing), so a restart does not skip a group whose sample waits unread.
+        The clock starts at the Task (its event time, or when it was written to Kafka if that is later: a back-filled
+        Task stream is not skipped wholesale). When it runs out, the group's later events are looked up on Kafka
+        (`group_activity`) and the clock goes on from the latest. Everything it counts from is on Kafka, so a
+        restarted trainer goes on with the clock instead of starting it again. Nothing expires before the consumer
+        has caught up with its inputs (a poll found nothing), so a restart does not skip a group whose sample waits
+        unread.
         """
         if not self._source.caught_up:
             return
-        limit = now_ms() - self.settings.group_timeout_s * 1000
+        timeout_ms = self.settings.group_timeout_s * 1000
         while (seq := self._core.frontier) is not None and seq in self._tasks:
             task = self._tasks[seq]
-            if max(task.record["event_time"], task.timestamp_ms) > limit:
+            group = task.record["group_id"]
+            if now_ms() - self._active_ms[group] < timeout_ms:
                 return
-            self._reject(task, f"group unfinished after {self.settings.group_timeout_s:g}s: skipped by the "
-                               f"windowed FIFO; its partial rollouts stay on {TOPICS.trajectories.name}")
-            self.skipped.append(task.record["group_id"])
+            self._active_ms[group] = group_activity(self._reader, group, self._active_ms[group])
+            if now_ms() - self._active_ms[group] < timeout_ms:
+                return
+            self._reject(task, f"no event of the group for {self.settings.group_timeout_s:g}s and the processors "
+                               f"did not close it: skipped by the windowed FIFO; its partial rollouts, if any, "
+                               f"stay on {TOPICS.trajectories.name}")
+            self.skipped.append(group)
 
     def _reject(self, event: Event, error: str) -> None:
         """Record the event on forge.dlq (the durable record of the skip) and retire its group."""
@@ -328,8 +350,22 @@ class WindowedConsumer:
             self._core.skip(seq)
             self._tasks.pop(seq, None)
             self._samples.pop(seq, None)
+        self._active_ms.pop(group, None)
         for topic, partition, offset in self._records_of.pop(group, []):
             self._marks.release(topic, partition, offset)
+
+
+def group_activity(reader: PartitionReader, group: str, since_ms: int) -> int:
+    """The latest event time of `group` on the processors' inputs other than forge.tasks (sessions, completions,
+    tool spans, rewards), looked up from `since_ms` on (its partition of each topic, records written since then);
+    `since_ms` when there is none. An event's time is its event time, or when it was written to Kafka if later."""
+    latest = since_ms
+    for topic in ACTIVITY_TOPICS:
+        partition = reader.partition_of(topic, group)
+        start, end = reader.offset_at(topic, partition, since_ms), reader.high(topic, partition)
+        for _, written_ms, _, record in reader.read(topic, partition, start, end, key=group):
+            latest = max(latest, written_ms, record["event_time"])
+    return latest
 
 
 def step_record(run: str, step: int, batch: Batch, metrics: dict) -> dict:

@@ -7,12 +7,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
+from forge_stream.events import now_ms
 from forge_stream.kafka.consumer import consumer_config, dead_letter
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
@@ -273,6 +275,42 @@ def test_the_group_timeout_goes_on_across_a_restart(kafka_bootstrap, run_id):
     assert time.monotonic() - submitted >= 5.9, "skipped before its timeout"
     assert time.monotonic() - started < 5, "the clock started again at the restart"
     restarted.close()
+
+
+def session_event(run, seq, n):
+    """A SessionStarted of group `seq`: an event on the processors' inputs that the consumer does not read."""
+    return {"event_id": f"{run}-start-{seq}-{n}", "event_time": now_ms(), "session_id": f"{run}-s{n}",
+            "group_id": group_id(run, seq), "task_id": f"t{seq}", "base_url": "http://gateway/s/x/v1", "metadata": {}}
+
+
+def test_a_group_whose_events_keep_coming_is_not_skipped_however_long_it_runs(kafka_bootstrap, run_id):
+    """The timeout is idle time, as the processors': group 0 runs for more than twice the timeout with an event every
+    second, so it is not skipped at its Task's time plus the timeout, but only once it goes quiet."""
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1), group_timeout_s=4)
+    produce(kafka_bootstrap, [task(run_id, 0), task(run_id, 1)], [sample(run_id, 1)])
+    submitted = time.monotonic()
+    last = {}
+
+    def keep_busy():
+        producer = EventProducer(kafka_bootstrap)
+        for n in range(9):
+            producer.send_sync(TOPICS.sessions, group_id(run_id, 0), session_event(run_id, 0, n), "SessionStarted")
+            last["at"] = time.monotonic()
+            time.sleep(1)
+        producer.close()
+
+    busy = threading.Thread(target=keep_busy)
+    busy.start()
+    consumer = WindowedConsumer(settings)
+    assert consumer.next_batch(0, 9) is None, "group 0 was skipped while its events kept coming"
+    assert consumer.skipped == [] and time.monotonic() - submitted >= 8.9
+    busy.join()
+    assert consumer.next_batch(0, 20).group_ids == [group_id(run_id, 1)]
+    assert consumer.skipped == [group_id(run_id, 0)]
+    assert time.monotonic() - last["at"] >= 3.9, "skipped before it had been idle for the timeout"
+    [letter] = letters_for(kafka_bootstrap, group_id(run_id, 0))
+    assert "no event of the group for 4s" in letter["error"]
+    consumer.close()
 
 
 def test_strict_fifo_holds_from_the_first_batch_whatever_partition_is_read_first(kafka_bootstrap, run_id):
