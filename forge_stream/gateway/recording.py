@@ -23,6 +23,7 @@ from typing import Literal
 
 import orjson
 
+from forge_stream.engine.tool_calls import TOOL_CALL_START, parse_tool_calls
 from forge_stream.events import deterministic_id
 from forge_stream.events.prompts import PromptIds
 
@@ -55,6 +56,24 @@ class ChoiceRecord:
         if len(self.logprobs) != len(self.token_ids):
             return False, f"engine returned {len(self.logprobs)} logprobs for {len(self.token_ids)} tokens"
         return True, None
+
+    def tool_call_error(self, tools_offered: bool) -> str | None:
+        """Why a tool call the model wrote in the Hermes format (`<tool_call>...</tool_call>`) did not come back
+        parsed, or None. Only a request that offered tools can have one. Engines parse a text's blocks all or none
+        (vLLM's `hermes` parser, forge_stream.engine.tool_calls) and leave a text that failed as content, so a
+        start marker in the content is a call that failed.
+
+        >>> ChoiceRecord(0, text='<tool_call>{"name": "f"').tool_call_error(True)
+        "unterminated <tool_call> block: Expecting ',' delimiter: line 1 column 13 (char 12)"
+        >>> ChoiceRecord(0, text='<tool_call>{"name": "f"}</tool_call>').tool_call_error(False) is None
+        True
+        """
+        if not tools_offered or TOOL_CALL_START not in self.text:
+            return None
+        reason = parse_tool_calls(self.text).error or "a well-formed <tool_call> block the engine did not parse"
+        if self.tool_calls:
+            return f"{reason}, beside {len(self.tool_calls)} parsed tool call(s)"
+        return reason
 
 
 def _chat_logprobs(logprobs: dict | None) -> list[float] | None:
@@ -309,6 +328,7 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "tools_json": ctx.tools_json,
         "output_text": choice.text,
         "tool_calls_json": dumps(choice.tool_calls) if choice.tool_calls else None,
+        "tool_call_error": choice.tool_call_error(ctx.tools_json is not None),
         "finish_reason": choice.finish_reason or "unknown",
         "trainable": trainable,
         "untrainable_reason": reason,

@@ -98,6 +98,7 @@ def close(state: dict, settings: ProcessorSettings, cut: Cut | None = None,
             "outcome_reward": r.outcome, "wall_time_ms": wall_time_ms(state, r.session_id),
             "turns": [_turn_record(t, b) for t, b in zip(r.turns, breaks)], "group_complete": complete,
             "missing_sessions": missing, "prefix_breaks": sum(b > 0 for b in breaks),
+            "tool_call_failures": sum(t.completion.get("tool_call_error") is not None for t in r.turns),
         }))
     sample = None if task is None else build_sample(rollouts, {
         "event_id": deterministic_id("sample", gid), "event_time": closed_ms, "group_id": gid,
@@ -155,7 +156,7 @@ def _turn_record(turn: Turn, prefix_break: int) -> dict:
         "prompt_tokens": len(comp["prompt_token_ids"]), "completion_tokens": len(comp["completion_token_ids"]),
         "trainable": trainable(comp), "outcome_reward": turn.outcome, "process_reward": turn.process_reward,
         "time_reward": turn.time, "reward": turn.reward, "reward_to_go": turn.reward_to_go,
-        "advantage": turn.advantage,
+        "advantage": turn.advantage, "tool_call_error": comp.get("tool_call_error"),
     }
 
 

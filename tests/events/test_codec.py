@@ -15,6 +15,7 @@ PINNED = {
     ("forge.events.Completion", 2): "c61b851b5ccff8b2f72685419c6a5f224a263bc17c08e90e357b61eb55e0c362",
     ("forge.events.Completion", 3): "26e62c5d1ce0a31befee8f9ce221a2b1e2e7310f6a5148df527a83f657ed4d7c",
     ("forge.events.Completion", 4): "6a64a42787acd767e5121752a51f73e4f0de95c1c4d2cd0cfd65fb70679948cb",
+    ("forge.events.Completion", 5): "2fda9fc3e44bfa513d88c7df854628d315cfacfa97623f490c183713decfab91",
     ("forge.events.DeadLetter", 1): "9f26aa83e8eedaff91b8d9b5850fe1c340d16b71ebce0e902a4d3c5e6f338896",
     ("forge.events.EvalResult", 1): "2cd0d18a2b0464cc88fc29999e7e4542bbf9c2f3126ac0142e792dff1a08a8e0",
     ("forge.events.GroupSkipped", 1): "4485c2fcdfe18b99f425a68132167f4974464dbc6744f127994faf482b3fe5cc",
@@ -37,6 +38,7 @@ PINNED = {
     ("forge.events.Trajectory", 1): "00e7aa2e07a78a4a4c8b1b4b56189c93e67685f74254c8608f05c5dd00c443a6",
     ("forge.events.Trajectory", 2): "36f0da630d62ac14e0bf15f326e6f66690b67ffde5ba014bdb3cc1dabf9605fe",
     ("forge.events.Trajectory", 3): "99aca2af7fee774210e7a3f6c2f62726f49b025b8daf7726364d60ab31f99606",
+    ("forge.events.Trajectory", 4): "cad2378bf731ee04095dc7d6502857e0a77db8349781fe29715a42c6a046de00",
 }
 EVENTS = ["Task", "SessionStarted", "SessionFinished", "Completion", "ToolSpan", "Reward", "Trajectory",
           "TrainSample", "GroupSkipped", "PolicyVersion", "TrainStep", "EvalResult", "DeadLetter"]
