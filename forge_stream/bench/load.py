@@ -1,22 +1,30 @@
 """Load benchmark of the gateway: many concurrent agents for a fixed time, then a check against Kafka that every
 acknowledged answer was recorded, once.
 
-A scripted engine (its own process, `delay_ms` per completion) and the gateway (`forge-stream gateway serve`, with
-a bounded number of calls in flight and waiting) run on the bench's own broker unless one is given. Each agent is
-an asyncio task on one shared httpx client: it opens a session, asks a chat completion with a calculator tool (the
-engine answers a tool call), sends the tool result (the engine answers text), finishes the session, and starts
-over until the time is up. Every chat call carries a unique id at the end of its last message; a 200 answer puts
-it in `acknowledged`, a 429/503 in `shed` (the agent waits the answer's retry-after-ms, then retries with a new id).
+A scripted engine (its own process, `delay_ms` per completion) and the gateway (`forge-stream gateway serve
+--workers N`, with a bounded number of calls in flight and waiting) run on the bench's own broker unless one is
+given. Each agent is an asyncio task on one shared httpx client: it opens a session, asks a chat completion with a
+calculator tool (the engine answers a tool call), sends the tool result (the engine answers text), finishes the
+session, and starts over until the time is up. Every `parallel_every`-th agent asks its first turn as a burst of 2,
+3 or 4 chat calls at once in the one session (as an agent that fans out sub-queries does); the connections of a
+burst land on different workers as the kernel spreads them. Every chat call carries a unique id at the end of its
+last message; a 200 answer puts it in `acknowledged`, a 429/503 in `shed` (the agent waits the answer's
+retry-after-ms, then retries with a new id).
 
 After the run the completions topic is read back (from the offsets before the run): `lost` counts
 acknowledged ids missing from it, `duplicates` ids recorded more than once, `shed_recorded` shed ids recorded
-anyway (all three must be 0). `p50_ms`/`p99_ms` are the latencies of successful chat calls; `rss_mb_max` the
-gateway's peak resident memory, sampled from /proc/<pid>/status while the agents run.
+anyway, `duplicate_turns` the turns (session id, turn, choice index) that more than one request recorded, so two
+calls of a session got the same turn (all four must be 0). `orphans` counts the processes the bench started (the
+broker, the engine, the gateway and its workers, and whatever they started: every descendant of the bench's process
+that was not there before it) still running after it stopped them (must be 0; `orphan_processes` names them).
+`p50_ms`/`p99_ms` are the latencies of successful chat calls; `rss_mb_max` the gateway's peak resident memory (all
+its processes), sampled from /proc/<pid>/status while the agents run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -51,6 +59,8 @@ class LoadSettings:
     retry_after_s: float = 0.5  # the gateway's Retry-After on a shed call
     engine_delay_ms: float = 50.0  # time the scripted engine takes per completion
     client_timeout_s: float = 30.0
+    workers: int = 2  # gateway processes serving the port
+    parallel_every: int = 4  # every n-th agent asks its first turn as a burst of parallel calls (0: none)
     bootstrap: str | None = None
 
 
@@ -63,6 +73,7 @@ class Tally:
     errors: Counter = field(default_factory=Counter)  # other non-2xx status (or exception name) -> count
     latencies_ms: list[float] = field(default_factory=list)
     sessions: int = 0
+    burst_sessions: int = 0  # sessions that asked a turn as a burst of parallel calls
 
 
 def _retry_delay(response: httpx.Response) -> float | None:
@@ -109,7 +120,18 @@ def _tagged(text: str, call_id: str) -> str:
     return f"{text} #{call_id}"
 
 
-async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: float, tally: Tally) -> None:
+def burst_size(index: int, every: int) -> int:
+    """How many chat calls agent `index` sends at once for its first turn: 2, 3, 4, 2, ... for every `every`-th
+    agent, 1 for the others.
+
+    >>> [burst_size(i, 2) for i in range(8)], burst_size(0, 0)
+    ([2, 1, 3, 1, 4, 1, 2, 1], 1)
+    """
+    return 2 + (index // every) % 3 if every and index % every == 0 else 1
+
+
+async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: float, tally: Tally,
+                 burst: int) -> None:
     episode = 0
     while time.monotonic() < deadline:
         session_id = f"{run}-{index}-{episode}"
@@ -120,12 +142,14 @@ async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: floa
             return
         chat = f"/s/{session_id}/v1/chat/completions"
         messages = [{"role": "system", "content": "You are a load-test agent."}]
-        first = await _post(client, chat, lambda call_id: {
+        answers = await asyncio.gather(*(_post(client, chat, lambda call_id: {
             "model": "scripted", "max_tokens": 256, "tools": TOOLS,
             "messages": messages + [{"role": "user", "content": _tagged("What is 6*7?", call_id)}]},
-            tally, deadline, chat=True)
-        if first is None:
+            tally, deadline, chat=True) for _ in range(burst)))
+        if None in answers:
             return
+        first = answers[0]
+        tally.burst_sessions += burst > 1
         sent = orjson.loads(first.request.content)["messages"]
         message = first.json()["choices"][0]["message"]
         calls = message.get("tool_calls") or []
@@ -142,11 +166,62 @@ async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: floa
         tally.sessions += 1
 
 
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks) of every process running now (zombies aside), from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # the command name, in parentheses, may hold spaces
+        if fields[0] != "Z":
+            out[int(entry.name)] = (int(fields[1]), int(fields[19]))
+    return out
+
+
+def descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of every process below `root`: its children, theirs, and so on. The start time tells a
+    process from a later one that got its pid."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in procs.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        found.add((pid, procs[pid][1]))
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def still_running(started: set[tuple[int, int]]) -> list[str]:
+    """The command lines of the processes in `started` that still run."""
+    procs = _processes()
+    out = []
+    for pid, start in sorted(started):
+        if procs.get(pid, (0, None))[1] == start:
+            try:
+                out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+            except OSError:  # it ended meanwhile
+                continue
+    return out
+
+
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    """Resident memory of `pid` and its descendants (the gateway's supervisor and workers), in MiB."""
+    total = 0
+    for proc in [pid, *(p for p, _ in descendants(pid))]:
+        try:
+            status = Path(f"/proc/{proc}/status").read_text()
+        except OSError:  # a worker that ended meanwhile
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    if not total:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    return total / 1024
 
 
 async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, tally: Tally) -> dict:
@@ -167,7 +242,8 @@ async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, t
         sampler = asyncio.create_task(sample())
         start = time.monotonic()
         deadline = start + settings.seconds
-        await asyncio.gather(*(_agent(client, run, i, deadline, tally) for i in range(settings.agents)))
+        await asyncio.gather(*(_agent(client, run, i, deadline, tally, burst_size(i, settings.parallel_every))
+                               for i in range(settings.agents)))
         elapsed = time.monotonic() - start
         stop.set()
         await sampler
@@ -176,15 +252,30 @@ async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, t
             "rss_mb_end": samples[-1], "health": health}
 
 
-def _read_back(bootstrap: str, before: dict[int, int], run: str) -> Counter:
-    """How many times each call id was recorded in forge.completions since `before`."""
-    seen: Counter = Counter()
+@dataclass
+class ReadBack:
+    """What forge.completions holds of the run."""
+
+    seen: Counter = field(default_factory=Counter)  # call id -> times recorded
+    requests: dict[tuple[str, int, int], set[str]] = field(default_factory=dict)  # turn -> request ids recording it
+
+    @property
+    def duplicate_turns(self) -> int:
+        """Turns (session id, turn, choice index) recorded by more than one request."""
+        return sum(len(ids) > 1 for ids in self.requests.values())
+
+
+def _read_back(bootstrap: str, before: dict[int, int], run: str) -> ReadBack:
+    """The run's Completions in forge.completions since `before`: each call id's count, each turn's requests."""
+    out = ReadBack()
     for event in read_slice(bootstrap, TOPICS.completions, Slice(start_offsets=before)):
         record = event.record
         if record["session_id"].startswith(run + "-"):
             last = orjson.loads(record["messages_json"])[-1]
-            seen[str(last.get("content") or "").rsplit("#", 1)[-1]] += 1
-    return seen
+            out.seen[str(last.get("content") or "").rsplit("#", 1)[-1]] += 1
+            turn = (record["session_id"], record["turn"], record["choice_index"])
+            out.requests.setdefault(turn, set()).add(record["request_id"])
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -200,6 +291,8 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         loop_factory = asyncio.new_event_loop
     run_id = "load-" + uuid.uuid4().hex[:8]
     tally = Tally()
+    before_run = descendants(os.getpid())  # not the bench's: a broker of the caller's, say
+    started: set[tuple[int, int]] = set()
     with tempfile.TemporaryDirectory(prefix="forge-bench-load-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(settings.bootstrap, work))
@@ -212,16 +305,20 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
             [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
              f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
              "--max-in-flight", str(settings.max_in_flight), "--max-waiting", str(settings.max_waiting),
-             "--shed-retry-after-s", str(settings.retry_after_s)],
+             "--shed-retry-after-s", str(settings.retry_after_s), "--workers", str(settings.workers)],
             url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
         before = end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions)
+        started |= descendants(os.getpid()) - before_run
         loop = loop_factory()
         try:
             driven = loop.run_until_complete(_drive(settings, f"http://127.0.0.1:{gateway_port}", gateway.pid,
                                                     run_id, tally))
         finally:
             loop.close()
-        seen = _read_back(kafka, before, run_id)
+        recorded = _read_back(kafka, before, run_id)
+        started |= descendants(os.getpid()) - before_run  # a worker restarted during the run, say
+    orphans = still_running(started)
+    seen = recorded.seen
     health = driven.pop("health")
     return {
         "agents": settings.agents, "seconds": settings.seconds, "elapsed_s": driven["elapsed_s"],
@@ -229,15 +326,18 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         "lost": len(tally.acknowledged - seen.keys()),
         "duplicates": sum(count - 1 for count in seen.values()),
         "shed_recorded": len(tally.shed_ids & seen.keys()),
+        "duplicate_turns": recorded.duplicate_turns, "turns_recorded": len(recorded.requests),
+        "orphans": len(orphans), "orphan_processes": orphans, "processes_started": len(started),
         "shed": sum(tally.shed.values()), "shed_429": tally.shed[429], "shed_503": tally.shed[503],
         "shed_without_retry_after": tally.shed_without_retry_after,
         "errors": {str(k): v for k, v in tally.errors.items()},
         "acknowledged_per_s": len(tally.acknowledged) / driven["elapsed_s"],
-        "sessions_finished": tally.sessions,
+        "sessions_finished": tally.sessions, "burst_sessions": tally.burst_sessions,
         "p50_ms": _percentile(tally.latencies_ms, 0.50), "p99_ms": _percentile(tally.latencies_ms, 0.99),
         "rss_mb_start": driven["rss_mb_start"], "rss_mb_max": driven["rss_mb_max"],
         "rss_mb_end": driven["rss_mb_end"],
         "gateway_sessions_kept": health["sessions"], "gateway_open_sessions": health["open_sessions"],
         "max_in_flight": settings.max_in_flight, "max_waiting": settings.max_waiting,
-        "engine_delay_ms": settings.engine_delay_ms,
+        "engine_delay_ms": settings.engine_delay_ms, "workers": settings.workers,
+        "parallel_every": settings.parallel_every,
     }

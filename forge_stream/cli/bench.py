@@ -151,15 +151,19 @@ def load(
     max_waiting: int = typer.Option(64, help="The gateway's --max-waiting."),
     retry_after_s: float = typer.Option(0.5, help="The gateway's --shed-retry-after-s."),
     engine_delay_ms: float = typer.Option(50.0, help="Time the scripted engine takes per completion."),
+    workers: int = typer.Option(2, min=1, help="The gateway's --workers."),
+    parallel_every: int = typer.Option(4, min=0, help="Every n-th agent asks its first turn as 2, 3 or 4 chat calls "
+                                                      "at once in its session (0: none)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
-    """Many agents against the gateway for a fixed time: shed answers, acknowledged vs recorded, p99, peak RSS."""
+    """Many agents against the gateway for a fixed time: shed answers, acknowledged vs recorded, one record per turn,
+    processes left running, p99, peak RSS."""
     from forge_stream.bench.load import LoadSettings, run
 
     emit(run(LoadSettings(agents=agents, seconds=seconds, max_in_flight=max_in_flight, max_waiting=max_waiting,
-                          retry_after_s=retry_after_s, engine_delay_ms=engine_delay_ms,
-                          bootstrap=bootstrap_servers)), as_json)
+                          retry_after_s=retry_after_s, engine_delay_ms=engine_delay_ms, workers=workers,
+                          parallel_every=parallel_every, bootstrap=bootstrap_servers)), as_json)
 
 
 @app.command("scheduler")

@@ -1,0 +1,47 @@
+"""`forge-stream bench load --json` at toy size on the test broker: two gateway workers, agents that ask a turn as a
+burst of parallel calls, and the run's proof of what it recorded (one record per call and per turn) and of what it
+left running (nothing). (Shedding and memory under load are tests/gateway/test_gateway_load.py's.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from forge_stream.bench.load import descendants, still_running
+
+pytestmark = pytest.mark.kafka
+
+COUNTS = ("acknowledged", "lost", "duplicates", "shed_recorded", "duplicate_turns", "turns_recorded", "orphans",
+          "processes_started", "burst_sessions", "sessions_finished", "workers", "parallel_every")
+
+
+def test_bench_load_reports_turns_recorded_twice_and_stops_every_process_it_started(kafka_bootstrap):
+    out = subprocess.run(
+        [sys.executable, "-m", "forge_stream", "bench", "load", "--agents", "12", "--seconds", "4", "--workers", "2",
+         "--parallel-every", "3", "--bootstrap-servers", kafka_bootstrap, "--json"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in COUNTS:
+        assert type(result[key]) is int, (key, result)
+    assert isinstance(result["orphan_processes"], list) and isinstance(result["errors"], dict)
+    assert result["workers"] == 2 and result["parallel_every"] == 3
+    # the engine, the gateway's supervisor and its two workers (the broker is the test's, not the bench's)
+    assert result["processes_started"] >= 4, result
+    assert result["orphans"] == 0 and result["orphan_processes"] == [], result
+    assert result["lost"] == result["duplicates"] == result["shed_recorded"] == 0, result
+    assert 0 <= result["duplicate_turns"] <= result["turns_recorded"]
+
+
+def test_a_process_left_running_is_counted_until_it_ends():
+    before = descendants(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = descendants(os.getpid()) - before
+    assert [pid for pid, _ in started] == [child.pid]
+    [command] = still_running(started)
+    assert "time.sleep(60)" in command
+    child.kill()
+    child.wait()
+    assert still_running(started) == []
