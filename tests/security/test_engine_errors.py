@@ -1,0 +1,149 @@
+"""Engine errors as an agent sees them through the gateway: an engine that fails with its internals in the answer (a
+traceback, a path, a token: what a vLLM or a hand-rolled engine puts in a 500) must not hand them to the agent, who
+gets an OpenAI-style error body instead; an engine's 4xx reaches the agent with its status and a clear message.
+
+The engine is a real HTTP server (an ASGI app served in a thread) that answers every call with the failure its last
+message names."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+from helpers import serving
+from security_support import ADMIN, bearer, open_session
+
+from forge_stream.gateway.app import create_app
+from forge_stream.gateway.settings import GatewaySettings
+
+pytestmark = pytest.mark.kafka
+
+SECRET = "s3cr3t-engine-token"
+TRACEBACK = ('Traceback (most recent call last):\n  File "/opt/engine/secret_sampler.py", line 42, in sample\n'
+             f'    logits = model(ids)\nRuntimeError: CUDA error: an illegal memory access at 0x7f3a11c0 '
+             f'(FORGE_ENGINE_TOKEN={SECRET})')
+INTERNALS = ("Traceback", 'File "', "secret_sampler", "/opt/engine", SECRET, "0x7f3a11c0")
+LEAKS = ("the gateway passes an engine's error body through as is: forge_stream/gateway/protocol.py:49 "
+         "(engine_error: GatewayError(..., raw=content) for any non-200 status), raised for the agent routes at "
+         "forge_stream/gateway/serving.py:422")
+STREAM_LEAKS = ("an error event inside an engine's 200 stream is relayed to the agent as is: "
+                "forge_stream/gateway/serving.py:537-541 (_relay_events yields the event holding {'error': ...})")
+MODELS_LEAKS = "GET /v1/models passes the engine's error body through as is: forge_stream/gateway/serving.py:328"
+
+
+def _openai_error(status: int, message: str, kind: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+FAILURES = {  # what the engine answers: status, content type, body
+    "500-text": (500, b"text/plain", TRACEBACK.encode()),
+    "500-json": (500, b"application/json", _openai_error(500, TRACEBACK, "InternalServerError")),
+    "500-fastapi": (500, b"application/json", orjson.dumps({"detail": TRACEBACK})),
+    "502-html": (502, b"text/html", f"<html><body><pre>{TRACEBACK}</pre></body></html>".encode()),
+    "400-json": (400, b"application/json",
+                 _openai_error(400, "temperature must be non-negative, got -1.0", "BadRequestError")),
+    "422-text": (422, b"text/plain", b"max_tokens must be at most 4096, got 100000"),
+}
+
+
+async def _failing_engine(scope, receive, send) -> None:
+    """ASGI: /health answers {}; a completion call answers the failure its last message names (FAILURES, or
+    "stream-error": a 200 event stream whose first event is an error holding the traceback); /v1/models 500s."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body, more = b"", scope["method"] == "POST"
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    if scope["path"] == "/health":
+        status, kind, content = 200, b"application/json", b"{}"
+    elif scope["path"] == "/v1/models":
+        status, kind, content = FAILURES["500-text"]
+    else:
+        request = orjson.loads(body)
+        mode = (request.get("messages") or [{"content": request.get("prompt")}])[-1]["content"]
+        if mode == "stream-error":
+            status, kind = 200, b"text/event-stream"
+            content = (b"data: " + orjson.dumps({"error": {"message": TRACEBACK, "type": "InternalServerError",
+                                                           "code": 500}}) + b"\n\ndata: [DONE]\n\n")
+        else:
+            status, kind, content = FAILURES[mode]
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", kind)]})
+    await send({"type": "http.response.body", "body": content})
+
+
+@pytest.fixture(scope="module")
+def gateway(kafka_bootstrap):
+    with serving(_failing_engine) as engine, \
+            serving(create_app(GatewaySettings(engines=(engine,), bootstrap=kafka_bootstrap, admin_token=ADMIN))) as gw:
+        yield gw
+
+
+def _ask(gateway: str, run_id: str, mode: str, stream: bool = False, kind: str = "chat") -> httpx.Response:
+    session = open_session(gateway, run_id)
+    body = {"messages": [{"role": "user", "content": mode}]} if kind == "chat" else {"prompt": mode}
+    return httpx.post(f"{session['base_url']}/{'chat/completions' if kind == 'chat' else 'completions'}",
+                      json={**body, "stream": stream}, headers=bearer(session["token"]), timeout=30)
+
+
+def _error_of(response: httpx.Response) -> dict:
+    """The OpenAI-style error of an answer: {"error": {"message", "type", "code", ...}} with a message."""
+    assert response.headers.get("content-type", "").startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"], error
+    return error
+
+
+def _no_internals(text: str) -> None:
+    leaked = [marker for marker in INTERNALS if marker in text]
+    assert not leaked, f"the engine's internals reached the agent ({leaked}): {text[:300]!r}"
+
+
+@pytest.mark.xfail(strict=True, reason=LEAKS)
+@pytest.mark.parametrize("mode", ["500-text", "500-json", "500-fastapi", "502-html"])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_an_engine_failure_reaches_the_agent_as_an_error_body_without_the_engines_internals(gateway, run_id, mode,
+                                                                                           kind):
+    response = _ask(gateway, run_id, mode, kind=kind)
+    assert response.status_code >= 500
+    _no_internals(response.text)
+    _error_of(response)
+
+
+@pytest.mark.xfail(strict=True, reason=LEAKS)
+def test_an_engine_failure_on_a_streamed_call_says_nothing_of_the_engines_internals(gateway, run_id):
+    response = _ask(gateway, run_id, "500-text", stream=True)
+    assert response.status_code >= 500
+    _no_internals(response.text)
+    _error_of(response)
+
+
+@pytest.mark.xfail(strict=True, reason=STREAM_LEAKS)
+def test_an_error_event_inside_an_engines_stream_says_nothing_of_the_engines_internals(gateway, run_id):
+    response = _ask(gateway, run_id, "stream-error", stream=True)
+    _no_internals(response.text)
+
+
+@pytest.mark.xfail(strict=True, reason=MODELS_LEAKS)
+def test_the_model_list_of_a_failing_engine_says_nothing_of_the_engines_internals(gateway, run_id):
+    session = open_session(gateway, run_id)
+    response = httpx.get(f"{session['base_url']}/models", headers=bearer(session["token"]), timeout=30)
+    assert response.status_code >= 500
+    _no_internals(response.text)
+    _error_of(response)
+
+
+def test_an_engines_openai_style_4xx_reaches_the_agent_with_its_status_and_message(gateway, run_id):
+    response = _ask(gateway, run_id, "400-json")
+    assert response.status_code == 400
+    assert "temperature must be non-negative" in _error_of(response)["message"]
+
+
+@pytest.mark.xfail(strict=True, reason=LEAKS + "; a 4xx body that is not OpenAI-style reaches the agent as it is")
+def test_an_engines_plain_text_4xx_reaches_the_agent_as_an_openai_style_error(gateway, run_id):
+    response = _ask(gateway, run_id, "422-text")
+    assert response.status_code == 422
+    assert "max_tokens must be at most 4096" in _error_of(response)["message"]
