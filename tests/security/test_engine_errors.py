@@ -23,12 +23,13 @@ TRACEBACK = ('Traceback (most recent call last):\n  File "/opt/engine/secret_sam
              f'    logits = model(ids)\nRuntimeError: CUDA error: an illegal memory access at 0x7f3a11c0 '
              f'(FORGE_ENGINE_TOKEN={SECRET})')
 INTERNALS = ("Traceback", 'File "', "secret_sampler", "/opt/engine", SECRET, "0x7f3a11c0")
-LEAKS = ("the gateway passes an engine's error body through as is: forge_stream/gateway/protocol.py:49 "
-         "(engine_error: GatewayError(..., raw=content) for any non-200 status), raised for the agent routes at "
-         "forge_stream/gateway/serving.py:422")
-STREAM_LEAKS = ("an error event inside an engine's 200 stream is relayed to the agent as is: "
-                "forge_stream/gateway/serving.py:537-541 (_relay_events yields the event holding {'error': ...})")
-MODELS_LEAKS = "GET /v1/models passes the engine's error body through as is: forge_stream/gateway/serving.py:328"
+LEAKS = ("the gateway passes an engine's error body through as is: forge_stream/gateway/protocol.py engine_error "
+         "(line 49: GatewayError(..., raw=content) for any non-200 status), raised for the agent routes by "
+         "serving.py complete (line 354 at b551915)")
+STREAM_LEAKS = ("an error event inside an engine's 200 stream is relayed to the agent as is: forge_stream/gateway/"
+                "serving.py _relay_events (lines 466-471 at b551915: the event holding {'error': ...} is yielded)")
+MODELS_LEAKS = ("GET /v1/models passes the engine's error body through as is: forge_stream/gateway/serving.py models "
+                "(line 292 at b551915: GatewayError(..., raw=content))")
 
 
 def _openai_error(status: int, message: str, kind: str) -> bytes:
