@@ -16,28 +16,49 @@ memory reads instead of a round trip to the broker; changed means it rebuilds th
 one writer (its worker), so no lock is taken per call; a 4-byte aligned store is atomic. Sessions that share a
 bucket (crc32 of the id, 262,144 buckets) can only cause a needless rebuild, never a missed one.
 
+A session's turns are numbered by one worker at a time: a worker records a turn holding a lock on the byte of the
+session's bucket (`hold`, an open-file-description lock: `F_OFD_SETLK`, so two ledgers mapped by one process exclude
+each other too), and, holding it, first catches the session up if another worker recorded for it since. So two calls
+of one session served at once by two workers take turns k and k + 1, never k twice. Sessions sharing a bucket share
+the lock (they only wait on each other). The lock dies with its worker: a SIGKILLed worker holds nothing.
+
 A worker takes a slot at start under an exclusive `flock` of the file: a free one, or that of a worker that died
 (uvicorn starts a new worker in its place). The file lives as long as `serve` runs (`WorkerLedger.hosted`), which
-holds a POSIX read lock on it meanwhile: a `serve` that was SIGKILLed leaves its file behind unlocked, and the next
-`serve` on the host removes it (2 MiB of memory per worker in /dev/shm otherwise, for every crash).
+holds a POSIX read lock on its first byte meanwhile: a `serve` that was SIGKILLed leaves its file behind unlocked,
+and the next `serve` on the host removes it (2 MiB of memory per worker in /dev/shm otherwise, for every crash).
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import mmap
 import os
+import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 BUCKETS = 1 << 18
 _PID_BYTES = 8
 _PREFIX = "forge-gateway-ledger-"
 _STALE_AFTER_S = 10.0  # younger files are left alone: their `serve` may be about to lock them
+_SERVE_BYTE = 0  # `serve` holds a read lock on byte 0 while it runs; byte 1 + b is the lock of bucket b
+_LOCK_WAIT_S = (0.0005, 0.02)  # polling a held bucket lock: first wait, longest wait
+
+
+def _ofd_lock(fd: int, kind: int, offset: int) -> bool:
+    """Take (F_WRLCK) or drop (F_UNLCK) the open-file-description lock of byte `offset` of `fd`, without waiting;
+    False when another holds it. (struct flock: l_type, l_whence, l_start, l_len, l_pid, padded as the kernel's.)"""
+    request = struct.pack("@hhqqi4x", kind, os.SEEK_SET, offset, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
 
 
 def _size(workers: int) -> int:
@@ -69,7 +90,7 @@ def remove_stale(directory: str) -> None:
         except OSError:  # gone meanwhile, or not ours to open
             continue
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SERVE_BYTE)
         except OSError:  # its `serve` runs
             continue
         else:
@@ -89,8 +110,11 @@ class WorkerLedger:
                 raise ValueError(f"{path} is not a ledger for {workers} workers")
             self._map = mmap.mmap(fd, _size(workers))
             self.slot = self._claim(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # open while the worker runs: the bucket locks are taken on it
+        self._held: dict[int, int] = {}  # bucket -> how many of this worker's turns hold its lock
         self._pids = memoryview(self._map)[:workers * _PID_BYTES].cast("Q")
         self._counters = memoryview(self._map)[workers * _PID_BYTES:].cast("I")
 
@@ -118,7 +142,7 @@ class WorkerLedger:
     @staticmethod
     def _new_file(workers: int, directory: str) -> tuple[int, str]:
         fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
-        fcntl.lockf(fd, fcntl.LOCK_SH)
+        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _SERVE_BYTE)
         os.ftruncate(fd, _size(workers))
         return fd, path
 
@@ -154,9 +178,31 @@ class WorkerLedger:
         i = self._bucket(session_id) + self.slot
         self._counters[i] = (self._counters[i] + 1) & 0xFFFFFFFF
 
+    @asynccontextmanager
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
+        """Hold the lock of the session's bucket (against the other workers) for the block: its turn is numbered
+        and recorded by one worker at a time. Waits, polling, while another worker holds it."""
+        bucket = zlib.crc32(session_id.encode()) % BUCKETS
+        if bucket not in self._held:
+            wait = _LOCK_WAIT_S[0]
+            while not _ofd_lock(self._fd, fcntl.F_WRLCK, 1 + bucket):
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, _LOCK_WAIT_S[1])
+                if bucket in self._held:  # another of this worker's turns took it meanwhile: share it
+                    break
+        self._held[bucket] = self._held.get(bucket, 0) + 1
+        try:
+            yield
+        finally:
+            self._held[bucket] -= 1
+            if not self._held[bucket]:
+                del self._held[bucket]
+                _ofd_lock(self._fd, fcntl.F_UNLCK, 1 + bucket)
+
     def close(self) -> None:
         if self._map.closed:
             return
+        os.close(self._fd)
         self._pids[self.slot] = 0
         self._pids.release()
         self._counters.release()

@@ -6,10 +6,14 @@ as the gateway needs (serving.check_*), so large token arrays are never re-valid
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+
+log = logging.getLogger("forge_stream.gateway")
 
 
 class GatewayError(Exception):
@@ -19,7 +23,7 @@ class GatewayError(Exception):
                  retry_after: float | None = None, raw: bytes | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
-        self.raw = raw  # an engine's own error body, passed through as is
+        self.raw = raw  # a body of its own (the Anthropic shape), answered instead of OpenAI's
         self.code = code  # OpenAI's error code (e.g. "context_length_exceeded"); default: the status
 
     def body(self) -> bytes:
@@ -36,17 +40,59 @@ def error_body(status: int, message: str, kind: str, param: str | None = None, c
 CONTEXT_FULL = "maximum context length"  # in vLLM's (and OpenAI's) message when prompt + max_tokens do not fit
 
 
-def engine_error(status: int, content: bytes) -> GatewayError:
-    """An engine's error answer: passed through as is, except a full context, answered as OpenAI does
-    (400, code "context_length_exceeded", the engine's message), which clients recognize to trim their history."""
+ENGINE_MESSAGE_CHARS = 1000  # the most of an engine's 4xx message passed on
+
+
+def _engine_message(content: bytes) -> str | None:
+    """The message of an engine's error body: OpenAI's `error.message`, FastAPI's `detail` (a string), or the
+    text of a plain-text body; None for anything else (HTML, other JSON)."""
     try:
-        error = orjson.loads(content).get("error")
-        message = error.get("message") if isinstance(error, dict) else None
-    except (orjson.JSONDecodeError, AttributeError):
-        message = None
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        text = content.decode("utf-8", "replace").strip()
+        return None if text.startswith("<") else text
+    if not isinstance(data, dict):
+        return None
+    error = data.get("error")
+    message = error.get("message") if isinstance(error, dict) else data.get("detail")
+    return message if isinstance(message, str) else None
+
+
+def engine_error(status: int, content: bytes) -> GatewayError:
+    """An engine's error answer, as the agent gets it. A 4xx is about the request: its status and the engine's
+    message (a full context answered as OpenAI does: 400, code "context_length_exceeded", which clients recognize to
+    trim their history). Anything else is the engine's own failure: its status (502 for one below 500) and a message
+    that says only that, since an engine's 500 may hold a traceback, paths or secrets (the gateway logs it).
+
+    >>> engine_error(500, b'Traceback (most recent call last): ...').message
+    "The engine failed (HTTP 500); retry shortly (the gateway's log has the engine's answer)."
+    >>> engine_error(422, b'max_tokens must be at most 4096').message
+    'max_tokens must be at most 4096'
+    """
+    message = _engine_message(content)
     if status == 400 and isinstance(message, str) and CONTEXT_FULL in message.lower():
         return GatewayError(400, message, "invalid_request_error", "messages", code="context_length_exceeded")
-    return GatewayError(status, "engine error", "engine_error", raw=content)
+    if 400 <= status < 500:
+        message = (message or "")[:ENGINE_MESSAGE_CHARS] or f"The engine refused the request (HTTP {status})."
+        return GatewayError(status, message, "invalid_request_error")
+    log.warning("engine answered HTTP %d: %s", status, content[:4000].decode("utf-8", "replace"))
+    return GatewayError(status if status >= 500 else 502, f"The engine failed (HTTP {status}); retry shortly (the "
+                        f"gateway's log has the engine's answer).", "engine_error")
+
+
+def engine_stream_error(chunk: dict) -> bytes:
+    """The SSE event an agent gets for an error event inside an engine's stream (`chunk`: {"error": ...}): its
+    message when the engine says it is about the request (a 4xx code), else only that the engine failed."""
+    error = chunk.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 500 and isinstance(message, str):
+        body = error_body(code, message[:ENGINE_MESSAGE_CHARS], "invalid_request_error")
+    else:
+        log.warning("engine sent an error event in its stream: %s", orjson.dumps(chunk)[:4000].decode())
+        body = error_body(500, "The engine failed during the stream, and nothing was recorded; retry shortly (the "
+                               "gateway's log has the engine's answer).", "engine_error")
+    return b"data: " + body + b"\n\n"
 
 
 def invalid(message: str, param: str | None = None) -> GatewayError:

@@ -19,12 +19,17 @@ catch-up per move: the records since the replica last read the session, folded i
 not the session read again from its start (a turn collision, or a reference to a completion no longer held as a
 lane, rebuilds it from its start instead). A finish catches the session up first, so that its SessionFinished
 counts the completions and spans every replica recorded (a span may have been posted to another). There is no lock
-across replicas: two replicas serving one session at the same time can both record turn k. The next call finds it:
-it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past both).
+across replicas on several hosts: two replicas serving one session at the same time can both record turn k. The next
+call finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
+both); the session's count is one per (turn, choice), as the processors count it, so it still completes, and the
+later of the two is trained. A load balancer that routes by the session's path (`/s/{session_id}/...`) never sends
+one session to two replicas at once.
 
 Workers of one host (`gateway serve --workers N`, `GatewaySettings.worker_ledger`) learn the same from a ledger in
 shared memory instead (forge_stream.gateway.ledger): a held session whose bucket another worker wrote to since it was
-last brought up to date is caught up (or closed, if finished there); otherwise a call asks nothing of Kafka.
+last brought up to date is caught up (or closed, if finished there); otherwise a call asks nothing of Kafka. Workers
+number a session's turns under the session's lock in that ledger (`SessionRestorer.numbering`), so they never
+collide.
 
 The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
@@ -35,7 +40,8 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import orjson
@@ -130,7 +136,8 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
     for record in completions:
         requests[record["turn"]].add(record["request_id"])
     session.turns = max(requests) + 1 if requests else 0
-    session.completions = len(completions)
+    # one per (turn, choice), as the processors count them (a turn recorded twice is one completion of it)
+    session.completions = len({(r["turn"], r["choice_index"]) for r in completions})
     session.requests = {r["request_id"] for r in completions}
     session.span_ids = {s["span_id"] for s in spans}
     session.explicit = {s["tool_call_id"] for s in spans if s["source"] == "explicit" and s["tool_call_id"]}
@@ -283,6 +290,13 @@ class SessionEvents:
         self._read_to(session, TOPICS.completions, end)
         return []
 
+    def answered(self, session: Session, request_id: str) -> list[dict]:
+        """The session's Completions recorded for `request_id` (one per choice, in choice order; the last write of
+        each)."""
+        completions, _ = self._records(TOPICS.completions, session, None)
+        choices = {r["choice_index"]: r for r in completions if r["request_id"] == request_id}
+        return [choices[c] for c in sorted(choices)]
+
     def chat_completion(self, session: Session, request_id: str) -> dict | None:
         """The session's chat completion (choice 0) recorded for `request_id`, its prompt rebuilt whole."""
         completions, _ = self._records(TOPICS.completions, session, None)
@@ -394,10 +408,40 @@ class SessionRestorer:
                 self.refreshed += 1
             session.ledger_seen = seen
 
-    async def reload(self, session: Session) -> None:
-        """Bring a held session up to date with its events (what other replicas recorded too)."""
-        async with session.recording:
-            self._note(session, await self._kafka(self.events.catch_up, session, self.settings.prompt_refs))
+    @asynccontextmanager
+    async def numbering(self, session: Session, everyone: bool = False) -> AsyncIterator[None]:
+        """Held (inside `session.recording`) while this process numbers and records a turn of `session`, or counts
+        its turns for its SessionFinished (`everyone`: with shared sessions, what other replicas recorded too). First
+        brings the session up to date where it may be behind: another worker of this host recorded for it (the
+        ledger; the block then holds the session's lock against the other workers, so no two number a turn at once),
+        another replica did (`everyone`), or a write of this process was not acknowledged and may have landed
+        (`Session.unsure`). A session finished elsewhere meanwhile is closed here (409)."""
+        if self.ledger is None:
+            if session.unsure or (everyone and self.log is not None):
+                await self._bring_up(session, finished_check=False)
+            yield
+            return
+        async with self.ledger.hold(session.id):
+            seen = self.ledger.others(session.id)  # read before the events: a later write shows at the next call
+            if session.unsure or seen != session.ledger_seen:
+                await self._bring_up(session, finished_check=seen != session.ledger_seen)
+                session.ledger_seen = seen
+            yield
+
+    async def _bring_up(self, session: Session, finished_check: bool) -> None:
+        if finished_check:
+            partition = self.directory.reader.partition_of(TOPICS.sessions, session.keys.group_id)
+            entry = await self._kafka(self.directory.find, session.id, [partition])
+            if entry is not None and entry.finished is not None:
+                self.store.finished(session)
+                session.require_open()
+        self._note(session, await self._kafka(self.events.catch_up, session, self.settings.prompt_refs))
+        session.unsure = False
+        self.refreshed += 1
+
+    async def answered(self, session: Session, request_id: str) -> list[dict]:
+        """The Completions recorded for the call `request_id` of `session` (none: it was not recorded)."""
+        return await self._kafka(self.events.answered, session, request_id)
 
     async def _refresh(self, session: Session) -> None:
         """Bring a held session up to date with what other replicas recorded for it."""

@@ -103,6 +103,14 @@ async def _admin_session(request: Request, session_id: str) -> Session:
     return await _service(request).restorer.get(session_id)
 
 
+def idempotency_key(request: Request) -> str | None:
+    """The call's `Idempotency-Key` header (a retry carrying the same one is the same call), checked."""
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
+        raise invalid("Idempotency-Key must be 1-256 printable characters", "Idempotency-Key")
+    return key
+
+
 async def _admitted(request: Request, session_id: str | None, serve) -> bytes | AsyncIterator[bytes]:
     """An agent's call in admission order: its token checked, then a slot taken (shed with 429/503 here), and only
     then its body read and its session rebuilt from Kafka if this process does not hold it, so shedding bounds the
@@ -125,8 +133,9 @@ async def _complete(request: Request, session_id: str | None, kind: str) -> Resp
     if kind == "responses":
         result = await _admitted(request, session_id, apis.respond)
     else:
+        key = idempotency_key(request)
         result = await _admitted(request, session_id, lambda service, session, body, agent, lease:
-                                 service.complete(session, kind, body, agent, lease))
+                                 service.complete(session, kind, body, agent, lease, idempotency_key=key))
     if isinstance(result, bytes):
         return Response(result, media_type=JSON)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -264,9 +273,7 @@ async def get_session(session_id: str, request: Request) -> Response:
 @router.post("/v1/sessions/{session_id}/reward", openapi_extra=httpbody.openapi_body(RewardIn))
 async def reward(session_id: str, request: Request) -> Response:
     session = await _admin_session(request, session_id)
-    key = request.headers.get("idempotency-key")
-    if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
-        raise invalid("Idempotency-Key must be 1-256 printable characters", "Idempotency-Key")
+    key = idempotency_key(request)
     ids = await _service(request).reward(session, await read_model(request, RewardIn), key)
     return Response(Recorded(event_ids=ids).model_dump_json(), media_type=JSON)
 

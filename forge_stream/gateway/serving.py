@@ -3,9 +3,22 @@
 A caller's answer always waits for Kafka: a completion's body (or a stream's final `data: [DONE]`) is sent only
 after its Completion events (and the ToolSpans its request revealed) were acknowledged (acks=all). If Kafka does
 not acknowledge, the caller gets 503 with Retry-After (in a stream: an error event instead of [DONE]) and the
-session's state (turn counter, pending tool calls) is rolled back. A session's completions are written one
-request at a time, so its turn numbers stay 0, 1, 2... in the order they were recorded, even when concurrent
-requests of the session fail. A chat prompt that extends an earlier completion of the session is recorded by
+session's state (turn counter, pending tool calls) is rolled back.
+
+One turn per turn: a session's completions are written one request at a time, and each request's turn number is
+taken from what is recorded, so its turn numbers stay 0, 1, 2... in the order they were recorded, each once:
+- concurrent requests of the session, failed ones too, and on several workers of one host (which number a
+  session's turns under a lock of the workers' ledger, forge_stream.gateway.ledger);
+- a write Kafka did not acknowledge may still have landed (a delivery timed out while the broker had it): the 503
+  says so, and the session reads its log before its next turn (`Session.unsure`), so that turn is numbered past it;
+- a call sent with an `Idempotency-Key` header (chat and completions) is recorded under a request id derived from
+  the session and the key: a retry of a call that was recorded (its answer lost, or its 503 ambiguous) is
+  recognised, read back from Kafka and answered as it was recorded (message, tool calls, finish reason; no log-probs
+  or token ids), without running the engine again; a retry while the first try is still in flight here waits for
+  it;
+- a session id is opened once: a SessionStarted already on Kafka for it (within `session_lookback_s`) answers 409,
+  so a restarted gateway never starts an existing session over at turn 0;
+- a finish waits for the session's calls in flight here, then counts what every worker recorded. A chat prompt that extends an earlier completion of the session is recorded by
 reference to it (forge_stream.events.prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly
 with its turns, not with their square.
 
@@ -44,12 +57,14 @@ from forge_stream.gateway.admission import Admission, Lease
 from forge_stream.gateway.checks import check_id, check_request
 from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import (
-    FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error, invalid,
+    FinishIn, GatewayError, RewardIn, SessionCreate, SessionCreated, SessionView, SpansIn, engine_error,
+    engine_stream_error, invalid,
 )
 from forge_stream.gateway.recording import (
     ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, client_json,
     completion_choices, completion_record, dumps, engine_json, sampling_setting,
 )
+from forge_stream.gateway.replay import recorded_answer
 from forge_stream.gateway.restore import SessionRestorer
 from forge_stream.gateway.sessions import Session, SessionStore
 from forge_stream.gateway.settings import GatewaySettings
@@ -117,6 +132,10 @@ def sse_data(event: bytes) -> bytes | None:
     return None
 
 
+class NotAcknowledged(GatewayError):
+    """503: events were sent and Kafka did not acknowledge them, so they may still have been written."""
+
+
 class GatewayService:
     def __init__(self, settings: GatewaySettings, sink: EventSink, http: aiohttp.ClientSession):
         self.settings = settings
@@ -151,19 +170,27 @@ class GatewayService:
                 error = exc
                 break
         results: list = []
-        async with asyncio.timeout(self.settings.ack_timeout_ms / 1000 + 5):  # librdkafka's own timeout comes first
-            for future in futures:  # one after another: no gather or wait_for task on the hot path
-                try:
-                    results.append(await future)
-                except Exception as exc:  # noqa: BLE001 - a DeliveryError, told to the caller below
-                    results.append(exc)
-        if isinstance(error, KafkaException) and error.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+        try:
+            async with asyncio.timeout(self.settings.ack_timeout_ms / 1000 + 5):  # librdkafka's timeout comes first
+                for future in futures:  # one after another: no gather or wait_for task on the hot path
+                    try:
+                        results.append(await future)
+                    except Exception as exc:  # noqa: BLE001 - a DeliveryError, told to the caller below
+                        results.append(exc)
+        except TimeoutError as exc:
+            results.append(exc)
+        if not futures and isinstance(error, KafkaException) and error.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
             raise GatewayError(413, f"This request's {topic.name} event is larger than Kafka accepts; send less "
                                     f"(shorter metadata, tool arguments or prompts).", "invalid_request_error")
         error = error or next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             log.warning("Kafka did not acknowledge %s events: %s", topic.name, error)
-            raise self.unavailable("Kafka did not acknowledge the events, so nothing was recorded; retry shortly.")
+            if not futures:
+                raise self.unavailable("Kafka did not take the events, so nothing was recorded; retry shortly.")
+            raise NotAcknowledged(503, "Kafka did not acknowledge the events in time: they may or may not have been "
+                                       "recorded. Retry the call; with the same Idempotency-Key header a call that "
+                                       "was recorded is answered as it was recorded.", "service_unavailable",
+                                  retry_after=self.settings.retry_after_s)
         return results
 
     # ----- sessions --------------------------------------------------------------------------------------
@@ -177,9 +204,10 @@ class GatewayService:
         if request.session_id is not None:
             check_id(request.session_id, "session_id", limit, path_segment=True)
         session_id = request.session_id or new_event_id()
-        if session_id in self.sessions or (request.session_id is not None and self.settings.replicated
+        if session_id in self.sessions or (request.session_id is not None
                                            and await self.restorer.started_elsewhere(session_id)):
-            raise GatewayError(409, f"Session {session_id} already exists.", "invalid_request_error", "session_id")
+            raise GatewayError(409, f"Session {session_id} already exists (a session id is opened once; to go on "
+                                    f"with it, call /s/{session_id}/v1/...).", "invalid_request_error", "session_id")
         self.sessions.check_room()
         rule = load_rule(request.metadata[METADATA_KEY]) if METADATA_KEY in request.metadata else None
         session = self.sessions.new(SessionKeys(session_id, request.group_id, request.task_id), request.metadata)
@@ -234,22 +262,31 @@ class GatewayService:
         return [r["event_id"] for r in records]
 
     async def finish(self, session: Session, request: FinishIn) -> list[str]:
+        """Record the session's SessionFinished: it takes no more calls, the calls in flight here end first, and
+        it counts what every worker and replica recorded (spans posted elsewhere too)."""
         session.require_open()
-        if self.settings.replicated:  # count what every replica recorded (spans posted elsewhere too)
-            await self.restorer.reload(session)
-            session.require_open()
         session.status = "finishing"
         keys = session.keys
-        record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,
-                  "group_id": keys.group_id, "task_id": keys.task_id, "status": request.status,
-                  "num_completions": session.completions, "reason": request.reason,
-                  "num_tool_spans": len(session.span_ids)}
         try:
-            await self.publish([(TOPICS.sessions, keys.group_id, record, "SessionFinished")])
-        except GatewayError:
-            session.status = "open"
+            if session.active:
+                log.info("session %s: finish waits for its %d calls in flight", session.id, session.active)
+                try:
+                    async with asyncio.timeout(self.settings.engine_timeout_s):
+                        await session.idle.wait()
+                except TimeoutError:
+                    raise self.unavailable(f"Session {session.id} still has {session.active} calls in flight; "
+                                           f"finish it again when they end.") from None
+            async with session.recording, self.restorer.numbering(session, everyone=True):
+                record = {"event_id": new_event_id(), "event_time": now_ms(), "session_id": keys.session_id,
+                          "group_id": keys.group_id, "task_id": keys.task_id, "status": request.status,
+                          "num_completions": session.completions, "reason": request.reason,
+                          "num_tool_spans": len(session.span_ids)}
+                await self.publish([(TOPICS.sessions, keys.group_id, record, "SessionFinished")])
+                self.restorer.wrote(session)
+        except BaseException:
+            if session.status == "finishing":
+                session.status = "open"
             raise
-        self.restorer.wrote(session)
         self.sessions.finished(session)
         return [record["event_id"]]
 
@@ -289,30 +326,62 @@ class GatewayService:
         response, engine = await self._send("", "GET", "/v1/models", None)
         content = await self._read(response, engine)
         if response.status != 200:
-            raise GatewayError(response.status, "engine error", "engine_error", raw=content)
+            raise engine_error(response.status, content)
         return content
 
     # ----- completions -----------------------------------------------------------------------------------
 
     async def complete(self, session: Session, kind: Kind, body, agent: str, lease: Lease,
-                       request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
-        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id) in the admission
-        slot `lease` (taken before its body was read: the router's `_admitted`), which it takes over; returns the
-        response body, or an SSE byte stream."""
+                       request_id: str | None = None,
+                       idempotency_key: str | None = None) -> bytes | AsyncIterator[bytes]:
+        """Forward one OpenAI request of `session` (recorded under `request_id`, default a new id, or one derived
+        from `idempotency_key`: a retry of a recorded call is answered as recorded) in the admission slot `lease`
+        (taken before its body was read: the router's `_admitted`), which it takes over; returns the response body,
+        or an SSE byte stream."""
+        if idempotency_key is not None:
+            request_id = deterministic_id("request", session.id, idempotency_key)
+        request_id = request_id or new_event_id()
+        entered = False
         try:
             session.require_open()
             n = check_request(kind, body, self.settings)
             if len(agent) > self.settings.max_id_length:
                 raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.",
                               "X-Forge-Agent")
-            result = await self._forward(session, kind, body, agent, lease.asked_ms, n, lease,
-                                         request_id or new_event_id())
+            if idempotency_key is not None and (answer := await self._recorded(session, kind, body, request_id)):
+                lease.release()
+                return answer
+            session.require_open()
+            session.enter(request_id)
+            entered = True
+            result = await self._forward(session, kind, body, agent, lease.asked_ms, n, lease, request_id)
         except BaseException:
+            if entered:
+                session.leave(request_id)
             lease.release()
             raise
         if isinstance(result, bytes):
+            session.leave(request_id)
             lease.release()
         return result
+
+    async def _recorded(self, session: Session, kind: Kind, body: dict,
+                        request_id: str) -> bytes | AsyncIterator[bytes] | None:
+        """The answer of the call `request_id` as it was recorded, if it was (its first try, in flight here,
+        awaited first); None when it was not."""
+        while (first := session.calls.get(request_id)) is not None:
+            await first.wait()
+        session.require_open()
+        async with session.recording, self.restorer.numbering(session):  # up to date with the other workers' turns
+            pass
+        if request_id not in session.requests:
+            return None
+        records = await self.restorer.answered(session, request_id)
+        if not records:
+            return None
+        log.info("session %s: call %s was recorded already (turn %d): answered as recorded", session.id,
+                 request_id, records[0]["turn"])
+        return recorded_answer(kind, request_id, records, bool(body.get("stream")))
 
     async def _forward(self, session: Session, kind: Kind, body: dict, agent: str, received: int, n: int,
                        lease: Lease, request_id: str) -> bytes | AsyncIterator[bytes]:
@@ -396,7 +465,8 @@ class GatewayService:
                       spans: list[dict]) -> None:
         version = self.settings.default_policy_version if policy_version is None else policy_version
         group = ctx.group_id
-        async with session.recording:  # one turn at a time: a failed write gives its turn number back
+        # one turn at a time, numbered from what is recorded: a failed write gives its turn number back
+        async with session.recording, self.restorer.numbering(session):
             turn = session.turns
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
             records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
@@ -412,8 +482,10 @@ class GatewayService:
             try:
                 offsets = await self.publish([(TOPICS.completions, group, r, None) for r in sent]
                                              + [(TOPICS.tool_spans, group, s, None) for s in spans])
-            except BaseException:
-                if log is not None:
+            except BaseException as exc:
+                if isinstance(exc, NotAcknowledged):  # it may have landed: the next turn reads the log first
+                    session.unsure = True
+                elif log is not None:
                     log.not_recorded(ctx.request_id)
                 raise
             self.restorer.wrote(session, {TOPICS.completions.name: offsets[:len(sent)],
@@ -444,6 +516,7 @@ class GatewayService:
                 async for event in events:
                     yield event
         finally:
+            session.leave(ctx.request_id)
             lease.release()
 
     async def _relay_events(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,
@@ -464,6 +537,7 @@ class GatewayService:
                         chunk = engine_json(data)
                         if "error" in chunk:
                             engine_error = True
+                            event = engine_stream_error(chunk)
                         else:
                             acc.feed(chunk, now_ms())
                             if any(hide):

@@ -51,6 +51,26 @@ class Session:
     own_offsets: dict[str, set[int]] = field(default_factory=dict)
     opened_here: bool = False  # opened by this process, which holds all it recorded: caught up from its start
     ledger_seen: tuple[int, ...] | None = None  # --workers: the other workers' ledger counters it is up to date with
+    unsure: bool = False  # a write was not acknowledged and may have landed: read the log before the next turn
+    calls: dict[str, asyncio.Event] = field(default_factory=dict)  # request id -> set when that call here ends
+    active: int = 0  # calls of it in flight in this process (a finish waits for them)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while none is
+
+    def __post_init__(self):
+        self.idle.set()
+
+    def enter(self, request_id: str) -> None:
+        """A call of the session (`request_id`) is in flight here."""
+        self.active += 1
+        self.idle.clear()
+        self.calls[request_id] = asyncio.Event()
+
+    def leave(self, request_id: str) -> None:
+        """The call `request_id` ended (recorded or not)."""
+        self.calls.pop(request_id).set()
+        self.active -= 1
+        if not self.active:
+            self.idle.set()
 
     @property
     def id(self) -> str:

@@ -484,12 +484,14 @@ def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_
     assert end["num_completions"] == len(agent.sent)
 
 
-def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(
-        kafka_bootstrap, make_gateway, run_id, sharing):
-    """No lock spans replicas: two calls of one session served at once by two replicas (each holding it) both take
-    turn 2. The next call finds it (counted in /health), and its turn is numbered past both."""
+def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(kafka_bootstrap, make_gateway,
+                                                                                     run_id):
+    """No lock spans replicas on several hosts (`--shared-sessions`): two calls of one session served at once by
+    two replicas (each holding it) both take turn 2. The next call finds it (counted in /health), and its turn is
+    numbered past both."""
     with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
-            make_gateway(engines=(slow,), **sharing) as a, make_gateway(engines=(slow,), **sharing) as b:
+            make_gateway(engines=(slow,), shared_sessions=True) as a, \
+            make_gateway(engines=(slow,), shared_sessions=True) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         hi = [{"role": "user", "content": "hi"}]
@@ -501,6 +503,30 @@ def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_pas
         _chat(a + path, hi)
         assert httpx.get(f"{a}/health").json()["turn_collisions"] == 1
     assert _turns(kafka_bootstrap, sid) == [0, 1, 2, 2, 3]
+
+
+def test_workers_of_one_host_number_a_session_s_concurrent_turns_once_each(kafka_bootstrap, make_gateway, run_id,
+                                                                          tmp_path):
+    """Workers of one host (the ledger) number a session's turns under the session's lock: two calls served at once
+    by two workers each holding the session take turns 2 and 3, not 2 twice; the session's count is right."""
+    ledger = {"worker_ledger": WorkerLedger.create(2, str(tmp_path)), "workers": 2}
+    with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
+            make_gateway(engines=(slow,), **ledger) as a, make_gateway(engines=(slow,), **ledger) as b:
+        session = open_session(a, run_id)
+        sid, path = session["session_id"], session["path"]
+        hi = [{"role": "user", "content": "hi"}]
+        _chat(a + path, hi)
+        _chat(b + path, hi)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+        _chat(a + path, hi)
+        assert [httpx.get(f"{g}/health").json()["turn_collisions"] for g in (a, b)] == [0, 0]
+        finish = httpx.post(f"{b}/v1/sessions/{sid}/finish", json={"status": "ok"})
+        assert finish.status_code == 200, finish.text
+    assert _turns(kafka_bootstrap, sid) == [0, 1, 2, 3, 4]
+    [end] = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)
+             if "num_completions" in r]
+    assert end["num_completions"] == 5
 
 
 def test_a_responses_chain_goes_on_across_replicas(kafka_bootstrap, make_gateway, scripted_url, run_id):

@@ -23,15 +23,6 @@ TRACEBACK = ('Traceback (most recent call last):\n  File "/opt/engine/secret_sam
              f'    logits = model(ids)\nRuntimeError: CUDA error: an illegal memory access at 0x7f3a11c0 '
              f'(FORGE_ENGINE_TOKEN={SECRET})')
 INTERNALS = ("Traceback", 'File "', "secret_sampler", "/opt/engine", SECRET, "0x7f3a11c0")
-LEAKS = ("the gateway passes an engine's error body through as is: forge_stream/gateway/protocol.py engine_error "
-         "(line 49: GatewayError(..., raw=content) for any non-200 status), raised for the agent routes by "
-         "serving.py complete (line 354 at b551915)")
-STREAM_LEAKS = ("an error event inside an engine's 200 stream is relayed to the agent as is: forge_stream/gateway/"
-                "serving.py _relay_events (lines 466-471 at b551915: the event holding {'error': ...} is yielded)")
-MODELS_LEAKS = ("GET /v1/models passes the engine's error body through as is: forge_stream/gateway/serving.py models "
-                "(line 292 at b551915: GatewayError(..., raw=content))")
-
-
 def _openai_error(status: int, message: str, kind: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
@@ -103,7 +94,6 @@ def _no_internals(text: str) -> None:
     assert not leaked, f"the engine's internals reached the agent ({leaked}): {text[:300]!r}"
 
 
-@pytest.mark.xfail(strict=True, reason=LEAKS)
 @pytest.mark.parametrize("mode", ["500-text", "500-json", "500-fastapi", "502-html"])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_an_engine_failure_reaches_the_agent_as_an_error_body_without_the_engines_internals(gateway, run_id, mode,
@@ -114,7 +104,6 @@ def test_an_engine_failure_reaches_the_agent_as_an_error_body_without_the_engine
     _error_of(response)
 
 
-@pytest.mark.xfail(strict=True, reason=LEAKS)
 def test_an_engine_failure_on_a_streamed_call_says_nothing_of_the_engines_internals(gateway, run_id):
     response = _ask(gateway, run_id, "500-text", stream=True)
     assert response.status_code >= 500
@@ -122,13 +111,11 @@ def test_an_engine_failure_on_a_streamed_call_says_nothing_of_the_engines_intern
     _error_of(response)
 
 
-@pytest.mark.xfail(strict=True, reason=STREAM_LEAKS)
 def test_an_error_event_inside_an_engines_stream_says_nothing_of_the_engines_internals(gateway, run_id):
     response = _ask(gateway, run_id, "stream-error", stream=True)
     _no_internals(response.text)
 
 
-@pytest.mark.xfail(strict=True, reason=MODELS_LEAKS)
 def test_the_model_list_of_a_failing_engine_says_nothing_of_the_engines_internals(gateway, run_id):
     session = open_session(gateway, run_id)
     response = httpx.get(f"{session['base_url']}/models", headers=bearer(session["token"]), timeout=30)
@@ -143,7 +130,6 @@ def test_an_engines_openai_style_4xx_reaches_the_agent_with_its_status_and_messa
     assert "temperature must be non-negative" in _error_of(response)["message"]
 
 
-@pytest.mark.xfail(strict=True, reason=LEAKS + "; a 4xx body that is not OpenAI-style reaches the agent as it is")
 def test_an_engines_plain_text_4xx_reaches_the_agent_as_an_openai_style_error(gateway, run_id):
     response = _ask(gateway, run_id, "422-text")
     assert response.status_code == 422
