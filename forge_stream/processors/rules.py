@@ -70,7 +70,9 @@ def tool_error(ctx: TurnContext) -> float:
 
 
 def invalid_tool_call(ctx: TurnContext) -> float:
-    """-1 when a tool call is malformed: unparsable, arguments not a JSON object, or a tool the request never offered.
+    """-1 when a tool call is malformed: a call in the model's format that did not parse (the Completion's
+    `tool_call_error`, set by the gateway), unparsable, arguments not a JSON object, or a tool the request never
+    offered.
 
     >>> tools = json.dumps([{"type": "function", "function": {"name": "search"}}])
     >>> call = lambda name, args: json.dumps([{"function": {"name": name, "arguments": args}}])
@@ -80,7 +82,12 @@ def invalid_tool_call(ctx: TurnContext) -> float:
     -1.0
     >>> invalid_tool_call(TurnContext({"tools_json": tools, "tool_calls_json": call("delete", "{}")}, ()))
     -1.0
+    >>> invalid_tool_call(TurnContext({"tools_json": tools, "tool_calls_json": None,
+    ...                                "tool_call_error": "unterminated <tool_call> block"}, ()))
+    -1.0
     """
+    if ctx.completion.get("tool_call_error"):
+        return -1.0
     raw = ctx.completion.get("tool_calls_json")
     if not raw:
         return 0.0
