@@ -21,8 +21,8 @@ lane, rebuilds it from its start instead). A finish catches the session up first
 counts the completions and spans every replica recorded (a span may have been posted to another). There is no lock
 across replicas on several hosts: two replicas serving one session at the same time can both record turn k. The next
 call finds it: it is logged as a turn collision, counted in /health, and the session rebuilt (turn numbers go on past
-both); the session's count is one per (turn, choice), as the processors count it, so it still completes, and the
-later of the two is trained. A load balancer that routes by the session's path (`/s/{session_id}/...`) never sends
+both); the processors number such turns from the log too (forge_stream.processors.rollouts: two requests at one
+turn number are two turns), so the session completes and both calls are trained. A load balancer that routes by the session's path (`/s/{session_id}/...`) never sends
 one session to two replicas at once.
 
 Workers of one host (`gateway serve --workers N`, `GatewaySettings.worker_ledger`) learn the same from a ledger in
@@ -136,8 +136,8 @@ def fold(session: Session, completions: list[dict], spans: list[dict], prompt_re
     for record in completions:
         requests[record["turn"]].add(record["request_id"])
     session.turns = max(requests) + 1 if requests else 0
-    # one per (turn, choice), as the processors count them (a turn recorded twice is one completion of it)
-    session.completions = len({(r["turn"], r["choice_index"]) for r in completions})
+    # one per (request, choice), as the processors count them (a call written twice is one completion)
+    session.completions = len({(r["request_id"], r["choice_index"]) for r in completions})
     session.requests = {r["request_id"] for r in completions}
     session.span_ids = {s["span_id"] for s in spans}
     session.explicit = {s["tool_call_id"] for s in spans if s["source"] == "explicit" and s["tool_call_id"]}

@@ -8,7 +8,7 @@ A group is one task instance (its Task event gives G, seq and domain) and its G 
      "rewards": {event_id: Reward}, "closed": False}
 
 A session is *done* when its SessionFinished arrived, so did the `num_completions` completions it reports
-(counted once per (choice_index, turn): a retried turn is one completion) and the `num_tool_spans` ToolSpans
+(counted once per (request, choice_index): a call written twice is one completion) and the `num_tool_spans` ToolSpans
 (distinct span ids), and either an outcome Reward arrived for it or its status is not ok (a failed rollout
 needs no grade). The group is *complete* when its Task arrived and G sessions are done. Every event is stored
 under its own identity, so a redelivered event changes nothing; of an inferred and an explicit span with the

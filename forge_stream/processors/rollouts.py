@@ -3,9 +3,12 @@
 A session's completions are indexed by (choice_index, turn); a request with n choices records n completions at
 the same turn. Definitions, in the order they apply:
 
-1. Retries. A turn retried after a failed write reuses its turn number (same session, choice and turn): the
-   completion with the later (event_time, completion_id) supersedes the other, which is neither trained nor
-   scored. `latest_completions` keeps one completion per (choice_index, turn).
+1. Turns, from the log. A request (one agent call, `request_id`) is one turn; a call written twice (a retry with
+   the same Idempotency-Key) is one request, and of a (request, choice) written twice the later (event_time,
+   completion_id) supersedes the other, which is neither trained nor scored. Two requests that carry the same turn
+   number (two gateway replicas on different hosts served one session at once) are two turns: numbered in the
+   order of (turn, event_time, request_id), the later ones and every turn after them moved up by one, so no call
+   that was answered is lost. `latest_completions` keeps one completion per (choice_index, turn) so numbered.
 2. Lane 0, the session's main line: its choice-0 completions in turn order. An agent continues its conversation
    from the choice it picks by sending a new request, whose single choice is again choice 0.
 3. Lane c > 0, a sibling rollout: lane 0's turns *before* the first turn at which choice c appears (the prefix
@@ -42,15 +45,32 @@ def rollout_id(session_id: str, choice_index: int) -> str:
 
 
 def latest_completions(state: dict, session_id: str) -> dict[tuple[int, int], dict]:
-    """(choice_index, turn) -> the session's completion for it, a retried turn's later write winning."""
-    out: dict[tuple[int, int], dict] = {}
+    """(choice_index, turn) -> the session's completion for it: one per (request, choice), the later write winning,
+    and the requests numbered from the turns they recorded (see the module docstring: two requests at one turn
+    number are two turns; a completion renumbered so is a copy with its new `turn`)."""
+    chosen: dict[tuple[str, int], dict] = {}
     for comp in state["completions"].values():
         if comp["session_id"] != session_id:
             continue
-        key = (comp["choice_index"], comp["turn"])
-        held = out.get(key)
+        key = (comp["request_id"], comp["choice_index"])
+        held = chosen.get(key)
         if held is None or (comp["event_time"], comp["completion_id"]) > (held["event_time"], held["completion_id"]):
-            out[key] = comp
+            chosen[key] = comp
+    requests: dict[int, dict[str, tuple[int, str]]] = {}  # turn -> request id -> its order among the turn's
+    for comp in chosen.values():
+        at = requests.setdefault(comp["turn"], {})
+        order = (comp["event_time"], comp["request_id"])
+        at[comp["request_id"]] = min(at.get(comp["request_id"], order), order)
+    numbered: dict[tuple[int, str], int] = {}
+    moved = 0
+    for turn in sorted(requests):
+        for i, request in enumerate(sorted(requests[turn], key=requests[turn].get)):
+            numbered[(turn, request)] = turn + moved + i
+        moved += len(requests[turn]) - 1
+    out: dict[tuple[int, int], dict] = {}
+    for comp in chosen.values():
+        turn = numbered[(comp["turn"], comp["request_id"])]
+        out[(comp["choice_index"], turn)] = comp if turn == comp["turn"] else {**comp, "turn": turn}
     return out
 
 

@@ -64,8 +64,8 @@ def test_fold_reports_a_turn_two_requests_recorded():
     c, _ = _completion("rc", 1, [{"role": "user", "content": "c"}], [1], [4])
     session = SessionStore().new(KEYS, {})
     assert fold(session, [a, b, c], [], prompt_refs=True) == [0]
-    # counted one per (turn, choice), as the processors count them: the session's SessionFinished lets it complete
-    assert session.turns == 2 and session.completions == 2
+    # counted one per (request, choice), as the processors count them: two requests at turn 0 are two turns there
+    assert session.turns == 2 and session.completions == 3
 
 
 class _Log:

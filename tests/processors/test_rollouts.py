@@ -1,5 +1,6 @@
-"""Rollouts: n > 1 choices are sibling rollouts sharing their prefix, retried turns supersede, ToolSpans are
-waited for, evaluation groups are never trained on, and both advantage modes."""
+"""Rollouts: n > 1 choices are sibling rollouts sharing their prefix, a call written twice is one turn, two calls at
+one turn number are two, ToolSpans are waited for, evaluation groups are never trained on, and both advantage
+modes."""
 
 import math
 
@@ -130,6 +131,26 @@ def test_a_retry_does_not_count_as_a_missing_completion():
               completion("s", 0, 0, [1], [3], t=T0 + 11, cid="b"), outcome("s", 1.0), finished("s", 2)]
     state, out = run(events)
     assert out == [] and not state["closed"]  # turn 1 is still missing: two writes of turn 0 are one completion
+
+
+def test_two_calls_recorded_at_one_turn_number_are_two_turns_numbered_from_the_log():
+    """Two gateway replicas served one session at once and both recorded turn 1 (two requests): the session's
+    count (3) is met, both calls are trained, numbered 1 and 2 by (turn, event_time), the next turn moved to 3;
+    the same whatever order the records arrive in."""
+    def call(turn, cid, t, request):
+        _, record = completion("s", turn, 0, [1, 2], [t % 100], t=t, cid=cid)
+        return ("Completion", {**record, "request_id": request})
+
+    events = [task(1), started("s"), call(0, "a", T0 + 10, "ra"), call(1, "on-b", T0 + 22, "rb"),
+              call(1, "on-a", T0 + 21, "rc"), call(2, "next", T0 + 30, "rd"), outcome("s", 1.0), finished("s", 4)]
+    _, out = run(events)
+    [traj] = of(out, "Trajectory")
+    assert [(t["completion_id"], t["turn"]) for t in traj["turns"]] == [("a", 0), ("on-a", 1), ("on-b", 2),
+                                                                        ("next", 3)]
+    [sample] = of(out, "TrainSample")
+    assert [s["completion_id"] for s in sample["sequences"]] == ["a", "on-a", "on-b", "next"]
+    _, reordered = run([*events[:2], events[3], events[5], events[2], events[4], *events[6:]])
+    assert [(e.schema, e.record) for e in reordered] == [(e.schema, e.record) for e in out]
 
 
 def encoded_sample(events):
