@@ -15,6 +15,11 @@ A warm start must land in a band of held-out reward (`band`, about 0.1 to 0.5): 
 to reinforce, above it little room to show a gain. The bench refuses (`OutsideBand`) when the SFT criterion, or the
 measured held-out reward of the warm start, is outside, unless told to go on (`allow_outside_band`).
 
+With `model` (a model directory, or a known name such as smollm2-135m, imported on first use) the run starts from
+that pretrained model instead: no tiny model and no SFT (the band is checked on its measured test reward), the
+training and test tasks are those of `mix` (the suite's `mental` family by default: a format a chat model has to
+learn), and the engine is vLLM unless told otherwise.
+
 The summary keeps every test task's score before and after RL per seed, and the improvement's 95% interval is a
 paired bootstrap over test tasks and seeds (forge_stream.bench.intervals). `test_tasks` defaults to 600: a 0/1 mean
 near 0.5 then has a 95% interval of +-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
@@ -77,6 +82,13 @@ class LearningSettings:
     bootstrap: str | None = None  # an external cluster; default: each seed's own broker
     home: Path | None = None  # default: a fresh temporary directory, removed afterwards
     plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
+    model: str | None = None  # a pretrained model (directory or known name) to start from instead of a warm start
+
+    @property
+    def test_source(self) -> str:
+        """The evaluation's tasks: the suite's test split, the same whatever the mix for the tiny model; of the
+        mix's families for a pretrained model."""
+        return f"suite:test?mix={self.mix}" if self.model else "suite:test"
 
 
 class OutsideBand(Exception):
@@ -153,7 +165,14 @@ def check_band(what: str, value: float, band: tuple[float, float]) -> str | None
 
 
 def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[str], None] = print) -> dict:
-    """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary."""
+    """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary. With a
+    pretrained `model`: that model, as it is."""
+    if s.model:
+        from forge_stream.model_import import resolve_model
+
+        model_dir = resolve_model(s.model, ForgeSettings().cache_dir, progress)
+        progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
+        return {"pretrained": s.model, "model_dir": str(model_dir)}
     env = {**os.environ, "FORGE_HOME": str(home)}
     progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
@@ -177,6 +196,8 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
         warm = {}
         for seed in seeds:
             warm[seed] = warm_start(s, seed, root / f"seed{seed}", progress)
+            if s.model:  # no SFT criterion: the band is checked on the test evaluation
+                continue
             reason = check_band(f"seed {seed}'s warm start: SFT's held-out predicted reward",
                                 warm[seed]["predicted_reward"], s.band)
             if reason and not s.allow_outside_band:
@@ -209,7 +230,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
     tag = f"[seed {seed}]"
     gateway_url = f"http://127.0.0.1:{cfg.gateway_port}"
     engine_url = f"http://127.0.0.1:{cfg.engine_port}"
-    model = str(home / "warm")
+    model = warm.get("model_dir") or str(home / "warm")
     try:
         progress(f"{tag} [1/5] starting the topology in {home}")
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
@@ -224,7 +245,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                         "group_timeout": 300, "threads": 1},
         })
         up(cfg, topology, echo=progress)
-        evaluate = ("eval", "--tasks", "suite:test", "--limit", str(s.test_tasks), "--agent", AGENT,
+        evaluate = ("eval", "--tasks", s.test_source, "--limit", str(s.test_tasks), "--agent", AGENT,
                     "--agent-workers", str(s.agent_workers), "--concurrency", str(s.concurrency), "--run", run_id,
                     "--gateway-url", gateway_url, "--bootstrap-servers", cfg.bootstrap)
         progress(f"{tag} [2/5] test evaluation of the warm start ({s.test_tasks} tasks)")

@@ -216,8 +216,9 @@ def processors(
 @app.command("learning")
 def learning(
     rl_minutes: float = typer.Option(15.0, help="Wall-clock budget of each seed's RL phase."),
-    engine_kind: str = typer.Option("torch", "--engine", help="Rollout engine: torch (the local torch engine) or "
-                                                              "vllm (real vLLM; its runtime is installed first)."),
+    engine_kind: Optional[str] = typer.Option(None, "--engine", help="Rollout engine: torch (the local torch "
+                                              "engine; the default for the tiny model) or vllm (real vLLM, its runtime "
+                                              "installed first; the default with --model)."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: float = typer.Option(1e-4, help="Trainer learning rate."),
     updates_per_batch: int = typer.Option(4, help="Optimizer updates per batch (sample reuse)."),
@@ -229,7 +230,9 @@ def learning(
     concurrency: int = typer.Option(64, help="Sessions in flight."),
     test_tasks: int = typer.Option(600, help="Test-split tasks per evaluation, the same for every seed (600: a 95% "
                                              "interval of +-0.04 on one evaluation at a mean of 0.5)."),
-    mix: str = typer.Option("reasoning=1,agent=1,lookup=1", help="Domain weights of the training tasks."),
+    mix: Optional[str] = typer.Option(None, help="Domain weights of the training tasks (default: "
+                                                 "reasoning=1,agent=1,lookup=1; with --model, mental=1, which the "
+                                                 "test evaluation then uses too)."),
     sft_max_steps: int = typer.Option(2000, help="Warm-start SFT step budget."),
     sft_target: float = typer.Option(0.2, help="Held-out predicted reward at which the warm start's SFT stops."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
@@ -244,10 +247,14 @@ def learning(
     home: Optional[Path] = typer.Option(None, help="Keep the runs' homes here, one per seed (default: temporary)."),
     plot: Optional[Path] = typer.Option(None, help="Also draw the reward curve to this image file (with several "
                                                    "seeds, one file per seed: NAME-seedS.png)."),
+    model: Optional[str] = typer.Option(None, help="Start from this pretrained model (a directory, or a known name: "
+                                                   "smollm2-135m) instead of the tiny model's warm start."),
     as_json: bool = JsonOption,
 ) -> None:
     """Per seed: warm start, test eval, RL through the whole pipeline for a fixed budget, test eval again; the
     improvement's 95% interval over test tasks and seeds. Refuses (exit 3) a warm start outside --band."""
+    engine_kind = engine_kind or ("vllm" if model else "torch")
+    mix = mix or ("mental=1" if model else "reasoning=1,agent=1,lookup=1")
     from forge_stream.bench.learning import LearningSettings, NothingTrained, OutsideBand, run
 
     if engine_kind not in ("torch", "vllm"):
@@ -259,7 +266,7 @@ def learning(
                                 concurrency=concurrency, test_tasks=test_tasks, mix=mix, sft_max_steps=sft_max_steps,
                                 sft_target=sft_target, sft_examples=sft_examples, sft_lr=sft_lr, band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
-                                bootstrap=bootstrap_servers, home=home, plot=plot)
+                                bootstrap=bootstrap_servers, home=home, plot=plot, model=model)
     try:
         result = run(settings, progress=lambda line: typer.echo(line, err=True))
     except OutsideBand as exc:

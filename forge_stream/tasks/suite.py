@@ -12,6 +12,13 @@ Three domains, mixed in one run (unified mixed-domain training):
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
   as the `lookup` tool; the model must call it with the right key and copy the value.
 
+One more family is in no default mix, for a pretrained model (`bench learning --model`), which the tiny model cannot
+learn:
+
+- mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly with the sum: a
+  pretrained chat model adds well but writes the sum inside a sentence or an equation ("34 + 58 = 92"), which the
+  grader pays 0, so the answer's format is what it has to learn.
+
 The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
 The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numbers`: the numbers
 of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
@@ -92,8 +99,15 @@ def lookup(rng: random.Random, difficulty: int) -> dict:
     return {"question": f"What is stored under {key}?", "answer": store[key], "store": store}
 
 
+def mental(rng: random.Random, difficulty: int) -> dict:
+    """The sum of two (difficulty + 1)-digit numbers, answered directly (no tool needed)."""
+    digits = max(1, difficulty) + 1
+    a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
+    return {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+
+
 FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reasoning, "agent": agent,
-                                                            "lookup": lookup}
+                                                            "lookup": lookup, "mental": mental}
 
 
 NUMBER = re.compile(r"-?\d+")
@@ -126,7 +140,7 @@ def _mix(mix: dict[str, float] | None) -> tuple[list[str], list[float]]:
     mix = mix or {d: 1.0 for d in DOMAINS}
     unknown = set(mix) - set(FAMILIES)
     if unknown:
-        raise ValueError(f"unknown task domains {sorted(unknown)}; known: {', '.join(DOMAINS)}")
+        raise ValueError(f"unknown task domains {sorted(unknown)}; known: {', '.join(FAMILIES)}")
     names = sorted(mix)
     return names, [float(mix[n]) for n in names]
 

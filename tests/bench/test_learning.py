@@ -75,6 +75,29 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
     assert all(SINGLE_RUN_KEYS <= set(r) for r in out["seeds"])
 
 
+def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkeypatch, tmp_path):
+    """--model: no tiny model and no SFT (its band is checked on the test evaluation, in run_seed), the engine is vLLM
+    and the tasks, training and test, are the `mental` family's unless told otherwise."""
+    seen = {}
+
+    def run_seed(s, seed, home, warm_start, progress):
+        seen.update(settings=s, warm=warm_start)
+        return learning._summary(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
+
+    monkeypatch.setattr(learning, "run_seed", run_seed)
+    monkeypatch.setattr(learning, "_cli", lambda *a, **k: pytest.fail(f"SFT or init ran: {a}"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--home", str(tmp_path / "h"),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    s = seen["settings"]
+    assert (s.engine, s.mix, s.test_source) == ("vllm", "mental=1", "suite:test?mix=mental=1")
+    assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
+    assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
+
+
 def test_evaluations_on_different_tasks_are_no_pair():
     with pytest.raises(RuntimeError, match="different test tasks"):
         learning.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))

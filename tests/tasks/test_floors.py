@@ -37,17 +37,18 @@ def mean_score(tasks, reply) -> float:
 
 
 def test_every_family_is_covered():
-    assert set(DOMAINS) == set(FAMILIES)
+    """The default mix has every family but `mental`, which is there for a pretrained model."""
+    assert set(DOMAINS) | {"mental"} == set(FAMILIES)
 
 
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", FAMILIES)
 @pytest.mark.parametrize("policy", TRIVIAL)
 def test_a_trivial_reply_scores_at_most_the_floor(domain, policy):
     reply = TRIVIAL[policy]
     assert mean_score(_tasks(domain), lambda t: reply(t.prompt["question"])) <= FLOOR
 
 
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", FAMILIES)
 def test_the_teacher_scores_the_ceiling(domain):
     tasks = _tasks(domain)
     assert mean_score(tasks, lambda t: demonstration(t.graded, t.domain)[-1]["content"]) == 1.0
@@ -62,3 +63,19 @@ def test_no_order_picked_without_comparing_beats_one_in_twenty_three():
               for order in itertools.permutations(range(4))}
     assert scores[(0, 1, 2, 3)] == 0.0
     assert max(scores.values()) < 0.065
+
+
+def test_a_mental_sum_written_as_an_equation_or_a_sentence_scores_nothing():
+    """What a pretrained chat model writes before it learns the format: the right sum, with the question's numbers
+    around it. Only the sum alone is paid."""
+    tasks = _tasks("mental")
+
+    def sum_of(t) -> str:
+        return t.graded["answer"]
+
+    def operands(t) -> str:
+        return t.prompt["question"].removeprefix("What is ").removesuffix("?")
+
+    assert mean_score(tasks, lambda t: f"{operands(t)} = {sum_of(t)}") == 0.0
+    assert mean_score(tasks, lambda t: f"The sum of {operands(t)} is {sum_of(t)}.") == 0.0
+    assert mean_score(tasks, lambda t: f"The answer is {sum_of(t)}.") == 1.0
