@@ -16,12 +16,16 @@ Measured (greedy, so the same each run), as (ids of turn 0 that turn 1's prompt 
 - the same cut at 12 tokens: torch (0, "unterminated ..."), vLLM (3, "unterminated ...") for the same split.
 """
 
+import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from helpers import serving
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
 from forge_stream.events import deterministic_id
@@ -29,8 +33,13 @@ from forge_stream.events.prompts import shared_prefix
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.history import Slice, read_completions, read_slice
+from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors import ProcessorSettings, fold
+from forge_stream.scheduler.consumer import Batch, SchedulerSettings
 from forge_stream.topics import TOPICS
+from forge_stream.trainer.service import PolicyTrainer, TrainerSettings
+from forge_stream.trainer.step import StepConfig
+from forge_stream.tree import pack, sequence_logprobs
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
@@ -45,13 +54,30 @@ ENGINES = {"torch": ("serve", ()),  # vLLM: a small KV cache and context, fp32 (
            "vllm": ("vllm", ("--kv-cache-gib", "1", "--max-model-len", "1024"))}
 
 
+@dataclass(frozen=True)
+class Engine:
+    kind: str
+    url: str
+    run: str  # the training run whose versions it follows on forge.policy
+    log: Path
+
+
 @pytest.fixture(scope="module", params=list(ENGINES))
-def gateway(request, smollm2, kafka_bootstrap, tmp_path_factory):
-    """A gateway in front of the torch engine, then of real vLLM, serving SmolLM2."""
+def engine(request, smollm2, kafka_bootstrap, tmp_path_factory) -> Engine:
+    """The torch engine, then real vLLM, serving SmolLM2 and following forge.policy for a run of their own."""
     kind, args = ENGINES[request.param]
+    run = f"exact-{request.param}-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    with EngineProcess(str(smollm2), kind=kind, log_path=log, extra_args=("--served-model-name", "smollm2", *args)) \
-            as engine, serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as url:
+    with EngineProcess(str(smollm2), kind=kind, log_path=log, extra_args=(
+            "--served-model-name", "smollm2", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run, *args)) \
+            as process:
+        yield Engine(request.param, process.url, run, log)
+
+
+@pytest.fixture(scope="module")
+def gateway(engine, kafka_bootstrap):
+    """A gateway in front of the engine."""
+    with serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as url:
         yield url
 
 
@@ -78,10 +104,10 @@ def run_session(gateway: str, group_id: str, first: dict) -> tuple[str, list[tup
     return session["session_id"], turns
 
 
-def group_events(bootstrap: str, group_id: str) -> list[tuple[str, dict]]:
+def group_events(bootstrap: str, group_id: str, group_size: int = len(SESSIONS)) -> list[tuple[str, dict]]:
     """The group's events as the processors read them (prompts whole), after a Task for its sessions."""
     task = {"event_id": deterministic_id("task", group_id), "event_time": 0, "group_id": group_id, "task_id": "sum",
-            "seq": 0, "domain": "math", "grader": "exact_match", "group_size": len(SESSIONS), "prompt_json": "{}",
+            "seq": 0, "domain": "math", "grader": "exact_match", "group_size": group_size, "prompt_json": "{}",
             "metadata": {}}
     events = [("Task", task)]
     for topic in (TOPICS.sessions, TOPICS.tool_spans, TOPICS.rewards):
@@ -122,3 +148,89 @@ def test_recorded_prompts_are_the_template_and_breaks_are_counted(smollm2, gatew
         measured[name] = (broken, records[0]["tool_call_error"])
     assert measured["auto"] == (0, None), measured  # a text answer: the template renders the sampled ids again
     assert measured["cut"][1].startswith("unterminated <tool_call> block: "), measured
+
+
+LR = 1e-5  # one AdamW step moves SmolLM2's log-probs of its own samples by up to about a nat
+TOLERANCE = 2e-3  # nats, fp32 on the CPU
+
+
+def sampled_session(gateway: str, group_id: str, reward: float) -> str:
+    """One turn sampled at temperature 1 (its log-probs are the model's own), rewarded and finished."""
+    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id, "task_id": "sum"}).json()
+    chat(session["base_url"], QUESTION, temperature=1.0)
+    for path, body in (("reward", {"value": reward}), ("finish", {"status": "ok"})):
+        assert httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/{path}", json=body).status_code == 200
+    return session["session_id"]
+
+
+def train_sample(bootstrap: str, group_id: str, group_size: int) -> dict:
+    """The group's TrainSample, folded by the processors from what the gateway recorded."""
+    state, samples = None, []
+    for schema, record in group_events(bootstrap, group_id, group_size):
+        state, out = fold(state, schema, record, ProcessorSettings(group_timeout_ms=60_000))
+        samples += [e.record for e in out if e.schema == "TrainSample"]
+    assert len(samples) == 1, samples
+    return samples[0]
+
+
+def completion_logprobs(model, record: dict) -> torch.Tensor:
+    """The model's log-probs of the record's completion ids given its prompt ids (the trainer's tree forward)."""
+    with torch.no_grad():
+        logprobs = sequence_logprobs(model, pack([record["prompt_token_ids"] + record["completion_token_ids"]]))
+    return logprobs[0][len(record["prompt_token_ids"]) - 1:]
+
+
+def test_a_trained_version_goes_back_to_the_engine_and_is_served_exactly(smollm2, engine, gateway, kafka_bootstrap,
+                                                                         tmp_path):
+    """One real trainer step on SmolLM2 (two sampled sessions rewarded 1 and 0, folded into a TrainSample by the
+    processors; PolicyTrainer.step, then .checkpoint, published on forge.policy as the trainer loop does): the
+    engine announces the version, and a completion served after that is recorded under it with log-probs equal to
+    the trainer's own at the new weights (transformers, fp32) and unlike the old version's.
+
+    Measured on 2 cores (another test run sharing them):
+    """
+    group_id = f"train-{uuid.uuid4().hex[:8]}"
+    for reward in (1.0, 0.0):
+        sampled_session(gateway, group_id, reward)
+    sample = train_sample(kafka_bootstrap, group_id, 2)
+    assert sample["policy_version"] == sample["policy_version_max"] == 0
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    trainer = PolicyTrainer(TrainerSettings(
+        bootstrap=kafka_bootstrap, base_model=smollm2, checkpoint_dir=checkpoints,
+        scheduler=SchedulerSettings(bootstrap=kafka_bootstrap, run=engine.run), step=StepConfig(lr=LR)), 0)
+    started = time.perf_counter()
+    metrics = trainer.step(Batch([sample], [0], 0, 0))
+    step_s = time.perf_counter() - started
+    assert metrics["grad_norm"] > 0, metrics
+    started = time.perf_counter()
+    version = trainer.checkpoint()
+    save_s = time.perf_counter() - started
+    folder = Path(version["checkpoint_uri"])
+    weights_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+    optimizer_mb = (folder / "optimizer.pt").stat().st_size / 1e6
+
+    producer = EventProducer(kafka_bootstrap)
+    published = time.monotonic()
+    producer.send_sync(TOPICS.policy, trainer.run, version)
+    producer.close()
+    while (health := httpx.get(f"{engine.url}/health", timeout=10).json())["policy_version"] != version["version"]:
+        assert time.monotonic() - published < 300, f"version {version['version']} not served: {health}; " \
+                                                   f"see {engine.log}"
+        time.sleep(0.1)
+    announce_s = time.monotonic() - published
+
+    after = sampled_session(gateway, f"served-{uuid.uuid4().hex[:8]}", 1.0)
+    [record] = read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == after)
+    assert record["policy_version"] == version["version"]
+    served = torch.tensor(record["completion_logprobs"])
+    new = completion_logprobs(trainer.model.eval(), record)
+    old = completion_logprobs(AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval(), record)
+    to_new, to_old = (served - new).abs().max().item(), (served - old).abs().max().item()
+    print(f"\n{engine.kind}: trainer step {step_s:.1f}s ({metrics['total_tokens']} tokens, grad norm "
+          f"{metrics['grad_norm']:.2f}); checkpoint saved in {save_s:.1f}s ({weights_mb:.0f} MB safetensors, "
+          f"{optimizer_mb:.0f} MB optimizer state); published -> announced in {announce_s:.1f}s; "
+          f"{len(served)} served log-probs vs the new weights' max |diff| {to_new:.1e}, vs the old's {to_old:.2f}")
+    assert to_new < TOLERANCE, (to_new, to_old)
+    assert to_old > 10 * TOLERANCE, (to_new, to_old)
