@@ -15,13 +15,14 @@ Three domains, mixed in one run (unified mixed-domain training):
 One more family is in no default mix, for a pretrained model (`bench learning --model`), which the tiny model cannot
 learn:
 
-- mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly with the sum: a
-  pretrained chat model adds well but writes the sum inside a sentence or an equation ("34 + 58 = 92"), which the
-  grader pays 0, so the answer's format is what it has to learn.
+- mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly, graded by the last
+  number of the reply (`numeric`): "34 + 58 = 92" is right, and so is any reply that ends on the sum within its
+  token budget. A small pretrained chat model (SmolLM2-135M) rambles, adds wrongly, or runs out of tokens before the
+  sum; none of the trivial replies can score, since the sum of two positive numbers is neither of them.
 
 The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
-The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family is `numbers`: the numbers
-of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
+The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family but mental is `numbers`: the
+numbers of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
 question, every candidate) scores 0. What trivial policies score, and the teacher: docs/learning/graders.md.
 
 Splits are by template, not by instance: `template_key` names what makes two tasks one problem whatever their
@@ -108,6 +109,7 @@ def mental(rng: random.Random, difficulty: int) -> dict:
 
 FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reasoning, "agent": agent,
                                                             "lookup": lookup, "mental": mental}
+GRADERS = {"mental": "numeric"}  # a family's grader when it is not `numbers`
 
 
 NUMBER = re.compile(r"-?\d+")
@@ -162,7 +164,7 @@ def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, d
                 break
         answer = instance.pop("answer")
         yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, "max_tokens": max_tokens},
-                       domain=domain, grader="numbers", group_size=group_size,
+                       domain=domain, grader=GRADERS.get(domain, "numbers"), group_size=group_size,
                        metadata={"difficulty": str(difficulty), "split": split}, reference={"answer": answer})
 
 

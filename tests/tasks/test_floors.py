@@ -65,17 +65,15 @@ def test_no_order_picked_without_comparing_beats_one_in_twenty_three():
     assert max(scores.values()) < 0.065
 
 
-def test_a_mental_sum_written_as_an_equation_or_a_sentence_scores_nothing():
-    """What a pretrained chat model writes before it learns the format: the right sum, with the question's numbers
-    around it. Only the sum alone is paid."""
+def test_a_mental_reply_is_paid_only_when_it_ends_on_the_sum():
+    """What a pretrained chat model writes: the sum inside an equation or a sentence is paid when it comes last; a
+    reply that ends on anything else (an operand, a wrong sum, the sum followed by more numbers) is not."""
     tasks = _tasks("mental")
-
-    def sum_of(t) -> str:
-        return t.graded["answer"]
 
     def operands(t) -> str:
         return t.prompt["question"].removeprefix("What is ").removesuffix("?")
 
-    assert mean_score(tasks, lambda t: f"{operands(t)} = {sum_of(t)}") == 0.0
-    assert mean_score(tasks, lambda t: f"The sum of {operands(t)} is {sum_of(t)}.") == 0.0
-    assert mean_score(tasks, lambda t: f"The answer is {sum_of(t)}.") == 1.0
+    assert mean_score(tasks, lambda t: f"{operands(t)} = {t.graded['answer']}") == 1.0
+    assert mean_score(tasks, lambda t: f"The answer is {t.graded['answer']}.") == 1.0
+    assert mean_score(tasks, lambda t: f"{t.graded['answer']} = {operands(t)}") == 0.0
+    assert mean_score(tasks, lambda t: f"{operands(t)} = {int(t.graded['answer']) + 1}") == 0.0
