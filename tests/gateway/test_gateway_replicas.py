@@ -484,6 +484,17 @@ def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_
     assert end["num_completions"] == len(agent.sent)
 
 
+def _turn_on_each_then_both_at_once(a: str, b: str, path: str) -> list[dict]:
+    """Turns 0 and 1 of the session on `a` then `b` (so both hold it), then one call on each at the same time (the
+    engine takes 2 s); returns the messages sent."""
+    hi = [{"role": "user", "content": "hi"}]
+    _chat(a + path, hi)
+    _chat(b + path, hi)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+    return hi
+
+
 def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_past_it(kafka_bootstrap, make_gateway,
                                                                                      run_id):
     """No lock spans replicas on several hosts (`--shared-sessions`): two calls of one session served at once by
@@ -494,11 +505,7 @@ def test_a_turn_two_replicas_record_at_once_is_found_and_the_session_goes_on_pas
             make_gateway(engines=(slow,), shared_sessions=True) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
-        hi = [{"role": "user", "content": "hi"}]
-        _chat(a + path, hi)
-        _chat(b + path, hi)
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+        hi = _turn_on_each_then_both_at_once(a, b, path)
         assert httpx.get(f"{a}/health").json()["turn_collisions"] == 0  # not seen yet
         _chat(a + path, hi)
         assert httpx.get(f"{a}/health").json()["turn_collisions"] == 1
@@ -514,11 +521,7 @@ def test_workers_of_one_host_number_a_session_s_concurrent_turns_once_each(kafka
             make_gateway(engines=(slow,), **ledger) as a, make_gateway(engines=(slow,), **ledger) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
-        hi = [{"role": "user", "content": "hi"}]
-        _chat(a + path, hi)
-        _chat(b + path, hi)
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda url: _chat(url + path, hi), (a, b)))
+        hi = _turn_on_each_then_both_at_once(a, b, path)
         _chat(a + path, hi)
         assert [httpx.get(f"{g}/health").json()["turn_collisions"] for g in (a, b)] == [0, 0]
         finish = httpx.post(f"{b}/v1/sessions/{sid}/finish", json={"status": "ok"})
