@@ -94,6 +94,7 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     assert result.exit_code == 0, result.output
     s = seen["settings"]
     assert (s.engine, s.mix, s.test_source) == ("vllm", "mental=1", "suite:test?mix=mental=1")
+    assert (s.lr, s.updates_per_batch) == (1e-5, 1)
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
     assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
 
