@@ -95,7 +95,11 @@ def test_window_hides_finished_groups_beyond_it_and_commits_only_consumed(kafka_
     produce(kafka_bootstrap, samples=[sample(run_id, 0)])
     steps = consumer.run(trainer, steps=1, wait_s=10)
     assert steps[0]["group_ids"] == [group_id(run_id, 0), group_id(run_id, 3)]
-    assert uncommitted_groups(kafka_bootstrap, settings.name, run_id) == {group_id(run_id, 4), group_id(run_id, 5)}
+    unconsumed = {group_id(run_id, 4), group_id(run_id, 5)}
+    deadline = time.monotonic() + 30  # the commit is asynchronous: wait for it, do not race it
+    while (left := uncommitted_groups(kafka_bootstrap, settings.name, run_id)) != unconsumed:
+        assert time.monotonic() < deadline, f"only the unconsumed samples (4, 5) stay uncommitted, not {left}"
+        time.sleep(0.5)
     assert consumer.run(trainer, steps=1, wait_s=10)[0]["group_ids"] == [group_id(run_id, 4), group_id(run_id, 5)]
     assert consumer.next_batch(trainer.policy_version, 0.5, partial=True) is None
     produce(kafka_bootstrap, samples=[sample(run_id, 6)])
