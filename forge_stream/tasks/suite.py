@@ -3,8 +3,8 @@ test splits.
 
 Three domains, mixed in one run (unified mixed-domain training):
 
-- reasoning: "Order 37, 82, 15 and 64 from largest to smallest.", answered directly ("82 64 37 15"): the model has
-  to compare the numbers itself. Four numbers, never asked in the order wanted, so that copying the question, or a
+- reasoning: "Order 3, 8, 1 and 6 from largest to smallest." (difficulty d: d-digit numbers, digits 0-9 at 1),
+  answered directly ("8 6 3 1"): the model has to compare the numbers itself. Four numbers, never asked in the order wanted, so that copying the question, or a
   number of it, earns nothing, and an order picked without comparing is right about once in 23 (two numbers, "which
   is larger?", paid a policy that always copied the second one half the time).
 - agent: "What is 347 + 518?" (difficulty d: (d + 2)-digit operands, + - *): the model can only get it right by
@@ -26,7 +26,7 @@ numbers of the reply, in order, must be exactly the answer's, so a reply that na
 question, every candidate) scores 0. What trivial policies score, and the teacher: docs/learning/graders.md.
 
 Splits are by template, not by instance: `template_key` names what makes two tasks one problem whatever their
-wording or order ("order 37, 82, 15 and 64" and "order 64, 15, 82 and 37"; "347 + 518", "518 + 347" and
+wording or order ("order 3, 8, 1 and 6" and "order 6, 1, 8 and 3"; "347 + 518", "518 + 347" and
 "518 - 347": one operand pair; a lookup
 key and the value stored under it), and a hash of the key puts every task of that template in one split: test
 (one key in ten), validation (one in ten) or train. So the splits are disjoint by template and fixed: a task's
@@ -71,9 +71,14 @@ KEYS = ("tern", "wren", "kite", "lark", "crow", "dove", "hawk", "swan", "rook", 
 
 
 def reasoning(rng: random.Random, difficulty: int) -> dict:
-    """Four different (difficulty + 1)-digit numbers, asked in any order but the wanted one, to answer from largest
-    to smallest."""
-    low, high = 10 ** max(0, difficulty), 10 ** (max(0, difficulty) + 1)
+    """Four different difficulty-digit numbers (digits 0-9 at difficulty 1 or below), asked in any order but the
+    wanted one, to answer from largest to smallest.
+
+    At difficulty 1 the tiny model learns the family: 800 SFT steps on it alone reach a held-out predicted reward
+    of 0.23, where two-digit numbers (which difficulty 1 gave until 2026-12-03) stay at 0.001 and RL never saw a
+    success. 210 templates (sets of four digits), about 21 of them in the test split."""
+    digits = max(1, difficulty)
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits
     numbers = rng.sample(range(low, high), 4)
     wanted = sorted(numbers, reverse=True)
     while numbers == wanted:
@@ -119,8 +124,8 @@ def template_key(domain: str, task: dict) -> str:
     """The task's template (`task` as its grader sees it): the question's numbers, sorted, whatever their order or
     operator; for lookup the key asked and the value stored under it (the only value an agent sees).
 
-    >>> template_key("reasoning", {"question": "Order 82, 37, 15 and 64 from largest to smallest."})
-    'reasoning:15,37,64,82'
+    >>> template_key("reasoning", {"question": "Order 8, 3, 1 and 6 from largest to smallest."})
+    'reasoning:1,3,6,8'
     >>> [template_key("agent", {"question": q}) for q in ("What is 347 + 518?", "What is 518 - 347?")]
     ['agent:347,518', 'agent:347,518']
     >>> template_key("lookup", {"question": "What is stored under tern?", "answer": "532"})
