@@ -15,7 +15,8 @@ from forge_stream.gateway.responses import (
     EventStream, StoredResponse, assistant_message, conversation, output_items, response_object, stored_response_id,
     to_chat,
 )
-from forge_stream.gateway.serving import GatewayService, sse_data
+from forge_stream.gateway.completing import sse_data
+from forge_stream.gateway.serving import GatewayService
 from forge_stream.gateway.sessions import Session
 
 

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException
 from forge_stream.gateway.protocol import GatewayError, error_body
 from forge_stream.httpbody import BodyRejected
 from forge_stream.gateway.router import agent_call, router
-from forge_stream.gateway.serving import EventSink, GatewayService
+from forge_stream.gateway.completing import EventSink
+from forge_stream.gateway.serving import GatewayService
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.producer import DeliveryError, EventProducer
 

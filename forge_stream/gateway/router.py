@@ -260,8 +260,9 @@ async def health(request: Request) -> dict:
 @router.post("/v1/sessions", status_code=201, openapi_extra=httpbody.openapi_body(SessionCreate))
 async def open_session(request: Request) -> Response:
     require_admin(request)
-    created = await _service(request).open_session(await read_model(request, SessionCreate), str(request.base_url))
-    return Response(created.model_dump_json(), status_code=201, media_type=JSON)
+    created, new = await _service(request).open_session(await read_model(request, SessionCreate),
+                                                         str(request.base_url))
+    return Response(created.model_dump_json(), status_code=201 if new else 200, media_type=JSON)
 
 
 @router.get("/v1/sessions/{session_id}")

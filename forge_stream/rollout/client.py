@@ -59,10 +59,11 @@ class GatewayClient:
         return GatewayCallError(f"gateway refused {action}: HTTP {response.status_code} {response.text[:300]}")
 
     async def open(self, session_id: str, task_id: str, group_id: str, metadata: dict[str, str]) -> dict:
-        """Open a session with a chosen id; returns the gateway's answer (base_url, token...)."""
+        """Open a session with a chosen id; returns the gateway's answer (base_url, token...). A retry whose first
+        try was recorded (its answer lost) gets the same session (200)."""
         response = await self._call("POST", "/v1/sessions", {"session_id": session_id, "task_id": task_id,
                                                              "group_id": group_id, "metadata": metadata})
-        if response.status_code != 201:
+        if response.status_code not in (200, 201):
             raise self._refused(f"opening session {session_id}", response)
         return response.json()
 

@@ -106,9 +106,9 @@ def test_one_session_served_alternately_by_two_replicas(kafka_bootstrap, make_ga
         monkeypatch.setattr(recording, "TEXT_FROM", 0)
     with make_gateway(engines=(engine,), **sharing) as a, make_gateway(engines=(engine,), **sharing) as b:
         session = open_session(a, run_id)
-        again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "task",
+        again = httpx.post(f"{b}/v1/sessions", json={"group_id": run_id, "task_id": "other",
                                                      "session_id": session["session_id"]})
-        assert again.status_code == 409, again.text  # taken on another replica
+        assert again.status_code == 409, again.text  # taken on another replica, for another task
         sent = conversation(a + session["path"], b + session["path"])
         health = [httpx.get(f"{g}/health").json() for g in (a, b)]
     check_recorded(kafka_bootstrap, session["session_id"], sent)

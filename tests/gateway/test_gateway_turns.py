@@ -92,8 +92,9 @@ def test_a_call_retried_with_its_idempotency_key_is_answered_as_recorded(kafka_b
 
 
 def test_a_restarted_gateway_does_not_open_an_existing_session_again(kafka_bootstrap, make_gateway, run_id):
-    """A session id is opened once: after a restart, opening it again is 409 (not a second SessionStarted and a
-    session starting over at turn 0); its calls go on at the next turn."""
+    """A session id is opened once: after a restart, opening it again (a retried open) answers the session as it
+    stands (200, the same token: not a second SessionStarted and a session starting over at turn 0), with another
+    task 409; its calls go on at the next turn."""
     engine = ScriptedEngine(REPLIES)
     sid = f"fixed-{run_id}"
     with serving(engine) as engine_url:
@@ -103,7 +104,10 @@ def test_a_restarted_gateway_does_not_open_an_existing_session_again(kafka_boots
         with make_gateway(engines=(engine_url,)) as restarted:
             again = httpx.post(f"{restarted}/v1/sessions", json={"group_id": run_id, "task_id": "task",
                                                                   "session_id": sid})
-            assert again.status_code == 409 and "opened once" in again.text, again.text
+            assert again.status_code == 200 and again.json() == {**session, "base_url": again.json()["base_url"]}
+            other = httpx.post(f"{restarted}/v1/sessions", json={"group_id": run_id, "task_id": "another",
+                                                                  "session_id": sid})
+            assert other.status_code == 409 and "opened once" in other.text, other.text
             _content(_post(restarted + session["path"]))
     assert [r["turn"] for r in _recorded(kafka_bootstrap, sid)] == [0, 1]
     started = [r for r in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: r["session_id"] == sid)

@@ -82,11 +82,12 @@ def test_a_failing_agent_fails_only_its_session(kafka_bootstrap, gateway, run_id
 
 
 class Flaky:
-    """A proxy in front of the gateway that answers 503 to the first reward post of every session, and always
-    500 to the reward posts of sessions whose task id contains "doomed"."""
+    """A proxy in front of the gateway that loses the answer to the first open of every session (the gateway opens
+    it; the controller gets 503), answers 503 to the first reward post of every session, and always 500 to the
+    reward posts of sessions whose task id contains "doomed"."""
 
     def __init__(self, target: str, task_of: dict):
-        self.target, self.task_of, self.seen = target, task_of, set()
+        self.target, self.task_of, self.seen, self.opened = target, task_of, set(), set()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -109,10 +110,13 @@ class Flaky:
             async with httpx.AsyncClient(base_url=self.target) as http:
                 response = await http.request(scope["method"], path, content=body,
                                               headers={"content-type": "application/json"})
-            if path == "/v1/sessions" and response.status_code == 201:
+            status, content = response.status_code, response.content
+            if path == "/v1/sessions" and response.status_code in (200, 201):
                 created = response.json()
                 self.task_of[created["session_id"]] = created["task_id"]
-            status, content = response.status_code, response.content
+                if created["session_id"] not in self.opened:  # recorded, and its answer lost on the way back
+                    self.opened.add(created["session_id"])
+                    status, content = 503, b'{"error": {"message": "lost", "code": 503}}'
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": content})
@@ -130,6 +134,9 @@ def test_http_failures_are_retried_and_isolated(kafka_bootstrap, gateway, run_id
     finished = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "status" in r
                            and r["task_id"].startswith(run_id))
     assert len(finished) == 6
+    started = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "base_url" in r
+                          and r["task_id"].startswith(run_id))
+    assert len(started) == 6  # each lost open was retried and answered with its session, not opened twice
     assert {(e["task_id"], e["status"]) for e in finished} == {
         (f"{run_id}-t0", "ok"), (f"{run_id}-t1", "ok"), (f"{run_id}-doomed", "error")}
     assert all("posting the reward failed" in e["reason"] for e in finished if e["status"] == "error")
