@@ -52,6 +52,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from confluent_kafka import KafkaException
 import faust
 from faust.transport.drivers.aiokafka import Producer as AiokafkaProducer
 
@@ -262,7 +263,11 @@ def build_app(config: TopologyConfig) -> faust.App:
         if not mine:
             return
         asked_at = now_ms()  # before asking: each end seen held at least what the partition had then
-        positions = await asyncio.to_thread(partition_positions, config.bootstrap, config.app_id, mine)
+        try:
+            positions = await asyncio.to_thread(partition_positions, config.bootstrap, config.app_id, mine)
+        except KafkaException as exc:  # a broker restarting or a coordinator moving: transient, not a crash
+            log.warning("read-marks sweep passed over, Kafka did not answer (%s); the next sweep asks again", exc)
+            return
         for (topic, partition), (committed, end, low) in positions.items():
             ends_seen.saw(topic, partition, asked_at, end)
             unread_from[(topic, partition)] = (committed if committed is not None  # else a new group's start:

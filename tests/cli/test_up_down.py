@@ -186,7 +186,8 @@ def test_a_killed_embedded_broker_is_restarted_by_the_supervisor_and_the_pipelin
         assert (tmp_path / "home" / "kafka" / "broker.pid").read_text() == str(back["pid"])
         until(lambda: answers(bootstrap), 120, "the restarted broker answers")  # a JVM start, then log recovery
         after = produce_group("after")  # through the restarted broker, to the processors that kept running
-        until(lambda: sampled(after), 180, "a sample after the broker came back")
+        until(lambda: sampled(after), 300, lambda: "a sample after the broker came back; the processors' log ends:\n"
+              + "\n".join((tmp_path / "home" / "run" / "processors.log").read_text().splitlines()[-40:]))
         assert services.status()["processors"]["state"] == "running"  # (restarted, if losing Kafka ended it)
 
         down = json.loads(cli(env, "down", "--json"))

@@ -53,13 +53,14 @@ def test_an_unreadable_version_is_not_announced(vllm_engine, checkpoints, tmp_pa
     assert vllm_engine.push_version(checkpoints[1]) == before["policy_version"] + 1  # the next good one loads
 
 
-async def _session(client: httpx.AsyncClient, gateway: str, group: str, turns: int) -> str:
+async def _session(client: httpx.AsyncClient, gateway: str, group: str, turns: int, answered=lambda: None) -> str:
     session = (await client.post(f"{gateway}/v1/sessions", json={"group_id": group, "task_id": "t"})).json()
     messages = [{"role": "user", "content": "Count with me."}]
     for _ in range(turns):
         response = await client.post(session["base_url"] + "/chat/completions", json={
             "model": "m", "messages": messages, "max_tokens": 16, "temperature": 1.0})
         assert response.status_code == 200, response.text
+        answered()
         messages += [{"role": "assistant", "content": response.json()["choices"][0]["message"]["content"] or "."},
                      {"role": "user", "content": "Go on."}]
     return session["session_id"]
@@ -69,14 +70,22 @@ def test_a_version_pushed_under_64_sessions_in_flight_labels_every_completion(vl
                                                                               run_id):
     old = vllm_engine.health()
     pushed = {}
+    answers = []
+    busy = threading.Event()  # the first 32 of the 256 completions are answered: the sessions are under way
+
+    def answered():
+        answers.append(1)
+        if len(answers) >= 32:
+            busy.set()
 
     def push_when_busy():
-        time.sleep(1.5)  # the sessions are under way
+        assert busy.wait(300), "no 32 completions answered within 300 s"
         pushed["version"] = vllm_engine.push_version(checkpoints[2])
 
     async def run():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=128)) as client:
-            return await asyncio.gather(*(_session(client, vllm_gateway, f"{run_id}-{i // 8}", 4) for i in range(64)))
+            return await asyncio.gather(*(_session(client, vllm_gateway, f"{run_id}-{i // 8}", 4, answered)
+                                          for i in range(64)))
 
     pusher = threading.Thread(target=push_when_busy)
     pusher.start()
