@@ -72,8 +72,9 @@ class LearningSettings:
     mix: str = "reasoning=1,agent=1,lookup=1"
     seed: int = 0  # the first seed
     seeds: int = 1  # seeds seed, seed + 1, ...: each its own model init, warm start, task stream and RL run
-    sft_max_steps: int = 2000
+    sft_max_steps: int = 3000
     sft_target: float = 0.2  # held-out predicted reward at which SFT stops (forge_stream/trainer/sft.py)
+    sft_family_target: float | None = 0.1  # and each task family's own (None: off)
     sft_examples: int = 600
     sft_lr: float = 3e-3
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
@@ -174,15 +175,20 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
         progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
         return {"pretrained": s.model, "model_dir": str(model_dir)}
     env = {**os.environ, "FORGE_HOME": str(home)}
-    progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g} (at most "
+    each = f", each family's {s.sft_family_target:g}" if s.sft_family_target is not None else ""
+    progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
     _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)
     sft = _cli("sft", "--model", str(home / "init"), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
                "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
+               "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),
+               "--ceiling", str(round(max(s.band[1] - 0.05, s.sft_target), 4)),  # under the band's top
                "--seed", str(seed), "--mix", s.mix, env=env)
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
-             f"{sft['predicted_reward']:.3f}, SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
-    return {k: sft[k] for k in ("steps", "max_steps", "target", "reached", "predicted_reward", "heldout_nll",
+             f"{sft['predicted_reward']:.3f} ("
+             + ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items()) + f"), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
+    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "reached", "predicted_reward",
+                                "by_family", "heldout_nll",
                                 "heldout_examples", "examples", "final_loss", "seconds", "curve")}
 
 

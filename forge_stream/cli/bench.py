@@ -235,8 +235,10 @@ def learning(
     mix: Optional[str] = typer.Option(None, help="Domain weights of the training tasks (default: "
                                                  "reasoning=1,agent=1,lookup=1; with --model, mental=1, which the "
                                                  "test evaluation then uses too)."),
-    sft_max_steps: int = typer.Option(2000, help="Warm-start SFT step budget."),
+    sft_max_steps: int = typer.Option(3000, help="Warm-start SFT step budget."),
     sft_target: float = typer.Option(0.2, help="Held-out predicted reward at which the warm start's SFT stops."),
+    sft_family_target: float = typer.Option(0.1, help="The warm start's SFT also goes on until each task family's "
+                                                        "held-out predicted reward reaches this; negative: off."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
     sft_lr: float = typer.Option(3e-3, help="Warm-start SFT learning rate."),
     band: Tuple[float, float] = typer.Option((0.1, 0.5), help="Held-out reward (SFT's criterion, then the test "
@@ -268,7 +270,9 @@ def learning(
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                                 concurrency=concurrency, test_tasks=test_tasks, mix=mix, sft_max_steps=sft_max_steps,
-                                sft_target=sft_target, sft_examples=sft_examples, sft_lr=sft_lr, band=tuple(band),
+                                sft_target=sft_target,
+                                sft_family_target=None if sft_family_target < 0 else sft_family_target,
+                                sft_examples=sft_examples, sft_lr=sft_lr, band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
                                 bootstrap=bootstrap_servers, home=home, plot=plot, model=model)
     try:

@@ -19,6 +19,10 @@ def sft(
     target: float = typer.Option(0.2, help="Stop at the first check where the held-out predicted reward (the "
                                            "teacher-forced chance of sampling a validation demonstration's every "
                                            "assistant token) reaches this; a negative value: train --max-steps."),
+    family_target: float = typer.Option(-1.0, help="With --target: SFT also goes on until every task family's own "
+                                                    "held-out predicted reward reaches this; negative: off."),
+    ceiling: float = typer.Option(-1.0, help="Stop once the held-out predicted reward reaches this, every family at "
+                                             "--family-target or not (a warm start's band has a top); negative: off."),
     check_every: int = typer.Option(25, help="Steps between two measurements of the criterion."),
     check_examples: int = typer.Option(128, help="Validation-split demonstrations the criterion is measured on."),
     batch_size: int = typer.Option(16, help="Demonstrations per step."),
@@ -40,7 +44,9 @@ def sft(
         base = out.with_name(out.name + "-init")
         init_tiny_model(base, TinyModelSpec(seed=seed))
     result = run_sft(SftSettings(base_model=base, out=out, examples=examples, max_steps=max_steps,
-                                 target=None if target < 0 else target, check_every=check_every,
+                                 target=None if target < 0 else target,
+                                 family_target=None if family_target < 0 else family_target,
+                                 ceiling=None if ceiling < 0 else ceiling, check_every=check_every,
                                  check_examples=check_examples, batch_size=batch_size, lr=lr, seed=seed,
                                  mix=parse_mix(mix), difficulty=difficulty),
                      progress=lambda line: typer.echo(line, err=True))

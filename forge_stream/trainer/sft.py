@@ -14,7 +14,11 @@ is the sampled reward the warm start would score if the teacher's way were the o
 another spelling of a tool call can also pass), so it is measured in the same unit as the held-out reward the
 warm start must land in a band of, and it costs one forward pass without gradients (no generation, no engine):
 cheap and deterministic on 2 CPU cores. Token accuracy would not do: a reply is right only if every token is, and
-95% of tokens right is anything from 0 to 0.9 of replies. Training stops at the first check at or above `target`.
+95% of tokens right is anything from 0 to 0.9 of replies. Training stops at the first check at or above `target`
+where, with `family_target`, every task family's own criterion is at or above that as well: the overall mean can
+reach its target through one easy family while another stays at its floor, where RL has nothing to reinforce.
+A `ceiling` stops it anyway once the overall criterion reaches that (a warm start must stay below its band's top),
+with `reached` false if a family is still short of its target.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class SftSettings:
     examples: int = 600  # distinct training tasks demonstrated
     max_steps: int = 2000  # the budget: training stops earlier once the criterion reaches target
     target: float | None = 0.2  # held-out predicted reward to stop at (None: train max_steps)
+    family_target: float | None = None  # with target: each family's held-out predicted reward must reach this too
+    ceiling: float | None = None  # stop once the overall criterion reaches this, families at their target or not
     check_every: int = 25  # steps between two measurements of the criterion
     check_examples: int = 128  # validation-split demonstrations the criterion is measured on
     batch_size: int = 16  # demonstrations per step
@@ -79,16 +85,18 @@ def demonstrations(tokenizer, settings: SftSettings) -> list[list[Turn]]:
     return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks]
 
 
-def held_out(tokenizer, settings: SftSettings) -> list[list[Turn]]:
-    """Demonstrations of validation-split tasks (disjoint by template from the training ones and from test)."""
+def held_out(tokenizer, settings: SftSettings) -> tuple[list[list[Turn]], list[str]]:
+    """Demonstrations of validation-split tasks (disjoint by template from the training ones and from test), and
+    each one's task family."""
     tasks = make_tasks("validation", settings.check_examples, seed=settings.seed, mix=settings.mix,
                        difficulty=settings.difficulty)
-    return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks]
+    return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks], [t.domain for t in tasks]
 
 
-def criterion(model: torch.nn.Module, demos: list[list[Turn]]) -> dict:
+def criterion(model: torch.nn.Module, demos: list[list[Turn]], families: list[str] | None = None) -> dict:
     """`predicted_reward`: the mean over demonstrations of exp(sum of the log-probs of all their assistant tokens),
-    the chance that sampling at temperature 1 reproduces each; `nll`: the mean NLL per assistant token."""
+    the chance that sampling at temperature 1 reproduces each; `nll`: the mean NLL per assistant token;
+    `by_family`: the predicted reward of each family's demonstrations (`families[i]` is demonstration i's)."""
     was_training = model.training
     model.eval()
     turns = [t for demo in demos for t in demo]
@@ -98,8 +106,19 @@ def criterion(model: torch.nn.Module, demos: list[list[Turn]]) -> dict:
     per_turn = iter([lp[len(t.prompt_ids) - 1:] for lp, t in zip(logprobs, turns)])
     per_demo = [torch.cat([next(per_turn) for _ in demo]) for demo in demos]
     tokens = torch.cat(per_demo)
-    return {"predicted_reward": float(sum(torch.exp(lp.sum()) for lp in per_demo)) / len(per_demo),
-            "nll": float(-tokens.mean())}
+    chances = [float(torch.exp(lp.sum())) for lp in per_demo]
+    by_family: dict[str, list[float]] = {}
+    for family, chance in zip(families or [], chances):
+        by_family.setdefault(family, []).append(chance)
+    return {"predicted_reward": sum(chances) / len(chances), "nll": float(-tokens.mean()),
+            "by_family": {f: sum(c) / len(c) for f, c in sorted(by_family.items())}}
+
+
+def reached(measured: dict, settings: SftSettings) -> bool:
+    """Whether the criterion is at its target (and every family at `family_target`, if set)."""
+    return (settings.target is not None and measured["predicted_reward"] >= settings.target
+            and (settings.family_target is None
+                 or min(measured.get("by_family", {}).values(), default=0.0) >= settings.family_target))
 
 
 def sft_loss(model: torch.nn.Module, batch: list[list[Turn]]) -> torch.Tensor:
@@ -117,12 +136,13 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
     tokenizer = AutoTokenizer.from_pretrained(settings.base_model)
     model = AutoModelForCausalLM.from_pretrained(settings.base_model)
     model.train()
-    demos, checks = demonstrations(tokenizer, settings), held_out(tokenizer, settings)
+    demos, (checks, families) = demonstrations(tokenizer, settings), held_out(tokenizer, settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     rng = random.Random(settings.seed)
-    started, loss, step, measured = time.perf_counter(), float("nan"), 0, criterion(model, checks)
+    started, loss, step, measured = time.perf_counter(), float("nan"), 0, criterion(model, checks, families)
     curve = [{"step": 0, **measured}]
-    while step < settings.max_steps and (settings.target is None or measured["predicted_reward"] < settings.target):
+    while step < settings.max_steps and (settings.target is None or not reached(measured, settings)) and (
+            settings.ceiling is None or measured["predicted_reward"] < settings.ceiling):
         batch = rng.sample(demos, min(settings.batch_size, len(demos)))
         optimizer.zero_grad(set_to_none=True)
         value = sft_loss(model, batch)
@@ -131,17 +151,22 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
         optimizer.step()
         loss, step = float(value.detach()), step + 1
         if step % settings.check_every == 0 or step == settings.max_steps:
-            measured = criterion(model, checks)
+            measured = criterion(model, checks, families)
             curve.append({"step": step, **measured})
+            families_text = ", ".join(f"{f} {v:.3f}" for f, v in measured["by_family"].items())
+            wanted = f"target {settings.target}" + (f", each family {settings.family_target}"
+                                                     if settings.family_target is not None else "")
             progress(f"sft step {step}/{settings.max_steps}: loss {loss:.4f}, held-out predicted reward "
-                     f"{measured['predicted_reward']:.3f} (target {settings.target}), held-out nll "
+                     f"{measured['predicted_reward']:.3f} ({families_text}; {wanted}), held-out nll "
                      f"{measured['nll']:.4f} ({time.perf_counter() - started:.0f}s)")
     settings.out.mkdir(parents=True, exist_ok=True)
     model.eval()
     model.save_pretrained(settings.out, safe_serialization=True)
     tokenizer.save_pretrained(settings.out)
-    reached = settings.target is not None and measured["predicted_reward"] >= settings.target
     return {"out": str(settings.out), "steps": step, "max_steps": settings.max_steps, "target": settings.target,
-            "reached": reached, "predicted_reward": measured["predicted_reward"], "heldout_nll": measured["nll"],
+            "family_target": settings.family_target, "ceiling": settings.ceiling,
+            "reached": reached(measured, settings),
+            "predicted_reward": measured["predicted_reward"], "by_family": measured["by_family"],
+            "heldout_nll": measured["nll"],
             "heldout_examples": len(checks), "examples": len(demos), "final_loss": loss, "curve": curve,
             "seconds": round(time.perf_counter() - started, 1)}

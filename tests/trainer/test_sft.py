@@ -75,7 +75,8 @@ def test_criterion_is_the_chance_of_sampling_each_demonstration(tiny_model_dir):
     (every turn of a demonstration), from separate forward passes; nll is the mean per-token NLL."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
-    demos = [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in make_tasks("validation", 6, seed=2)]
+    tasks = make_tasks("validation", 6, seed=2)
+    demos = [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks]
     assert any(len(demo) == 2 for demo in demos)  # tool-calling demonstrations have two assistant turns
     probabilities, token_lps = [], []
     for demo in demos:
@@ -88,16 +89,22 @@ def test_criterion_is_the_chance_of_sampling_each_demonstration(tiny_model_dir):
             total += float(lps.sum())
             token_lps += lps.tolist()
         probabilities.append(math.exp(total))
-    measured = criterion(model, demos)
+    measured = criterion(model, demos, [t.domain for t in tasks])
     assert measured["predicted_reward"] == pytest.approx(sum(probabilities) / len(demos), rel=1e-9)
     assert measured["nll"] == pytest.approx(-sum(token_lps) / len(token_lps), rel=1e-9)
+    families = sorted({t.domain for t in tasks})
+    assert len(families) == 3 and sorted(measured["by_family"]) == families
+    for family in families:
+        own = [p for p, t in zip(probabilities, tasks) if t.domain == family]
+        assert measured["by_family"][family] == pytest.approx(sum(own) / len(own), rel=1e-9)
 
 
 def test_sft_stops_at_the_target_and_says_so(tiny_model_dir, tmp_path, monkeypatch):
     """Training stops at the first check at or above the target, not at the budget; a target never reached runs
     the whole budget and reports reached: false."""
     readings = iter([0.0, 0.05, 0.2, 0.35, 0.6, 0.7])
-    monkeypatch.setattr(sft, "criterion", lambda model, demos: {"predicted_reward": next(readings), "nll": 1.0})
+    monkeypatch.setattr(sft, "criterion", lambda model, demos, families: {"predicted_reward": next(readings),
+                                                                          "nll": 1.0, "by_family": {}})
     settings = SftSettings(base_model=tiny_model_dir, out=tmp_path / "warm", examples=16, max_steps=100,
                            target=0.3, check_every=2, check_examples=4, batch_size=4)
     result = run_sft(settings, progress=lambda line: None)
@@ -106,3 +113,41 @@ def test_sft_stops_at_the_target_and_says_so(tiny_model_dir, tmp_path, monkeypat
     readings = iter([0.0, 0.01, 0.02, 0.03])
     result = run_sft(replace(settings, max_steps=5, target=0.9), progress=lambda line: None)
     assert (result["steps"], result["reached"], result["predicted_reward"]) == (5, False, 0.03)
+
+
+def test_sft_with_a_family_target_goes_on_until_every_family_reaches_it(tiny_model_dir, tmp_path, monkeypatch):
+    """The overall criterion can pass its target through one easy family: with family_target, SFT goes on until
+    the weakest family reaches it too, and reports every family."""
+    readings = iter([(0.0, 0.0, 0.0), (0.6, 0.02, 0.03), (0.7, 0.08, 0.2), (0.8, 0.12, 0.1), (0.9, 0.3, 0.3)])
+
+    def measured(model, demos, families):
+        assert set(families) <= {"agent", "lookup", "reasoning"} and len(families) == len(demos) == 6
+        lookup, agent, reasoning = next(readings)
+        return {"predicted_reward": (lookup + agent + reasoning) / 3, "nll": 1.0,
+                "by_family": {"agent": agent, "lookup": lookup, "reasoning": reasoning}}
+
+    monkeypatch.setattr(sft, "criterion", measured)
+    settings = SftSettings(base_model=tiny_model_dir, out=tmp_path / "warm", examples=16, max_steps=100,
+                           target=0.2, family_target=0.1, check_every=2, check_examples=6, batch_size=4)
+    lines = []
+    result = run_sft(settings, progress=lines.append)
+    assert (result["steps"], result["reached"]) == (6, True)  # the overall target alone would stop at step 2
+    assert result["by_family"] == {"agent": 0.12, "lookup": 0.8, "reasoning": 0.1}
+    assert "agent 0.080, lookup 0.700, reasoning 0.200; target 0.2, each family 0.1" in lines[1]
+
+
+def test_sft_stops_at_the_ceiling_with_a_family_still_short(tiny_model_dir, tmp_path, monkeypatch):
+    """A warm start must stay below its band's top: once the overall criterion reaches the ceiling, SFT stops even
+    though a family is still short of its target, and says it did not reach it."""
+    readings = iter([(0.0, 0.0), (0.5, 0.02), (0.8, 0.05), (0.95, 0.09), (0.99, 0.2)])
+
+    def measured(model, demos, families):
+        easy, hard = next(readings)
+        return {"predicted_reward": (easy + hard) / 2, "nll": 1.0, "by_family": {"lookup": easy, "reasoning": hard}}
+
+    monkeypatch.setattr(sft, "criterion", measured)
+    settings = SftSettings(base_model=tiny_model_dir, out=tmp_path / "warm", examples=16, max_steps=100,
+                           target=0.2, family_target=0.1, ceiling=0.5, check_every=2, check_examples=6, batch_size=4)
+    result = run_sft(settings, progress=lambda line: None)
+    assert (result["steps"], result["reached"]) == (6, False) and result["predicted_reward"] == pytest.approx(0.52)
+    assert result["by_family"] == {"lookup": 0.95, "reasoning": 0.09}
