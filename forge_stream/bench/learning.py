@@ -184,12 +184,12 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
                "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),
                "--ceiling", str(round(max(s.band[1] - 0.05, s.sft_target), 4)),  # under the band's top
                "--seed", str(seed), "--mix", s.mix, env=env)
+    families = ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items())
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
-             f"{sft['predicted_reward']:.3f} ("
-             + ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items()) + f"), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
+             f"{sft['predicted_reward']:.3f} ({families}), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
     return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "reached", "predicted_reward",
-                                "by_family", "heldout_nll",
-                                "heldout_examples", "examples", "final_loss", "seconds", "curve")}
+                                "by_family", "heldout_nll", "heldout_examples", "examples", "final_loss", "seconds",
+                                "curve")}
 
 
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
