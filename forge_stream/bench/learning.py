@@ -75,6 +75,7 @@ class LearningSettings:
     sft_max_steps: int = 3000
     sft_target: float = 0.2  # held-out predicted reward at which SFT stops (forge_stream/trainer/sft.py)
     sft_family_target: float | None = 0.1  # and each task family's own (None: off)
+    sft_balanced: bool = False  # train only the families still short of sft_family_target
     sft_examples: int = 600
     sft_lr: float = 3e-3
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
@@ -175,7 +176,8 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
         progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
         return {"pretrained": s.model, "model_dir": str(model_dir)}
     env = {**os.environ, "FORGE_HOME": str(home)}
-    each = f", each family's {s.sft_family_target:g}" if s.sft_family_target is not None else ""
+    each = "" if s.sft_family_target is None else (
+        f", each family's {s.sft_family_target:g}" + (", training the families short of it" if s.sft_balanced else ""))
     progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
     _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)
@@ -183,11 +185,12 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
                "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
                "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),
                "--ceiling", str(round(max(s.band[1] - 0.05, s.sft_target), 4)),  # under the band's top
+               "--balanced" if s.sft_balanced else "--no-balanced",
                "--seed", str(seed), "--mix", s.mix, env=env)
     families = ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items())
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
              f"{sft['predicted_reward']:.3f} ({families}), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
-    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "reached", "predicted_reward",
+    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "balanced", "reached", "predicted_reward",
                                 "by_family", "heldout_nll", "heldout_examples", "examples", "final_loss", "seconds",
                                 "curve")}
 

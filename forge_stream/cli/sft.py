@@ -23,6 +23,8 @@ def sft(
                                                     "held-out predicted reward reaches this; negative: off."),
     ceiling: float = typer.Option(-1.0, help="Stop once the held-out predicted reward reaches this, every family at "
                                              "--family-target or not (a warm start's band has a top); negative: off."),
+    balanced: bool = typer.Option(False, help="With --family-target: train only the families still short of it "
+                                              "(every family once none is), so an easy one keeps room to improve."),
     check_every: int = typer.Option(25, help="Steps between two measurements of the criterion."),
     check_examples: int = typer.Option(128, help="Validation-split demonstrations the criterion is measured on."),
     batch_size: int = typer.Option(16, help="Demonstrations per step."),
@@ -46,7 +48,7 @@ def sft(
     result = run_sft(SftSettings(base_model=base, out=out, examples=examples, max_steps=max_steps,
                                  target=None if target < 0 else target,
                                  family_target=None if family_target < 0 else family_target,
-                                 ceiling=None if ceiling < 0 else ceiling, check_every=check_every,
+                                 ceiling=None if ceiling < 0 else ceiling, balanced=balanced, check_every=check_every,
                                  check_examples=check_examples, batch_size=batch_size, lr=lr, seed=seed,
                                  mix=parse_mix(mix), difficulty=difficulty),
                      progress=lambda line: typer.echo(line, err=True))

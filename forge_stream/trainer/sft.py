@@ -19,6 +19,11 @@ where, with `family_target`, every task family's own criterion is at or above th
 reach its target through one easy family while another stays at its floor, where RL has nothing to reinforce.
 A `ceiling` stops it anyway once the overall criterion reaches that (a warm start must stay below its band's top),
 with `reached` false if a family is still short of its target.
+
+With `balanced` (and `family_target`), each step's batch is drawn only from the families still short of
+`family_target` at the last check (from every family once none is): an easy family stops being trained once it has
+its foothold instead of climbing towards its ceiling while a hard one catches up, so every family starts RL with
+both a foothold and room to improve. A family that falls back under its target is trained again.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class SftSettings:
     target: float | None = 0.2  # held-out predicted reward to stop at (None: train max_steps)
     family_target: float | None = None  # with target: each family's held-out predicted reward must reach this too
     ceiling: float | None = None  # stop once the overall criterion reaches this, families at their target or not
+    balanced: bool = False  # with family_target: train only the families still short of it
     check_every: int = 25  # steps between two measurements of the criterion
     check_examples: int = 128  # validation-split demonstrations the criterion is measured on
     batch_size: int = 16  # demonstrations per step
@@ -79,10 +85,11 @@ def render_turns(tokenizer, messages: list[dict], tools: list[dict] = TOOLS) -> 
     return turns
 
 
-def demonstrations(tokenizer, settings: SftSettings) -> list[list[Turn]]:
+def demonstrations(tokenizer, settings: SftSettings) -> tuple[list[list[Turn]], list[str]]:
+    """Demonstrations of training-split tasks, and each one's task family."""
     tasks = make_tasks("train", settings.examples, seed=settings.seed, mix=settings.mix,
                        difficulty=settings.difficulty)
-    return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks]
+    return [render_turns(tokenizer, demonstration(t.graded, t.domain)) for t in tasks], [t.domain for t in tasks]
 
 
 def held_out(tokenizer, settings: SftSettings) -> tuple[list[list[Turn]], list[str]]:
@@ -121,6 +128,20 @@ def reached(measured: dict, settings: SftSettings) -> bool:
                  or min(measured.get("by_family", {}).values(), default=0.0) >= settings.family_target))
 
 
+def lagging(measured: dict, settings: SftSettings) -> set[str]:
+    """The families a balanced warm start trains next: those short of `family_target` (empty: all of them)."""
+    if not settings.balanced or settings.family_target is None:
+        return set()
+    return {f for f, v in measured.get("by_family", {}).items() if v < settings.family_target}
+
+
+def training_pool(demos: list[list[Turn]], families: list[str], measured: dict,
+                  settings: SftSettings) -> list[list[Turn]]:
+    """The demonstrations the next steps' batches are drawn from."""
+    focus = lagging(measured, settings)
+    return [d for d, f in zip(demos, families) if f in focus] or demos
+
+
 def sft_loss(model: torch.nn.Module, batch: list[list[Turn]]) -> torch.Tensor:
     """Mean NLL of the assistant tokens of a batch of demonstrations, one forest forward pass."""
     turns = [t for demo in batch for t in demo]
@@ -136,14 +157,14 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
     tokenizer = AutoTokenizer.from_pretrained(settings.base_model)
     model = AutoModelForCausalLM.from_pretrained(settings.base_model)
     model.train()
-    demos, (checks, families) = demonstrations(tokenizer, settings), held_out(tokenizer, settings)
+    (demos, demo_families), (checks, families) = demonstrations(tokenizer, settings), held_out(tokenizer, settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     rng = random.Random(settings.seed)
     started, loss, step, measured = time.perf_counter(), float("nan"), 0, criterion(model, checks, families)
-    curve = [{"step": 0, **measured}]
+    curve, pool = [{"step": 0, **measured}], training_pool(demos, demo_families, measured, settings)
     while step < settings.max_steps and (settings.target is None or not reached(measured, settings)) and (
             settings.ceiling is None or measured["predicted_reward"] < settings.ceiling):
-        batch = rng.sample(demos, min(settings.batch_size, len(demos)))
+        batch = rng.sample(pool, min(settings.batch_size, len(pool)))
         optimizer.zero_grad(set_to_none=True)
         value = sft_loss(model, batch)
         value.backward()
@@ -156,6 +177,9 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
             families_text = ", ".join(f"{f} {v:.3f}" for f, v in measured["by_family"].items())
             wanted = f"target {settings.target}" + (f", each family {settings.family_target}"
                                                      if settings.family_target is not None else "")
+            pool, focus = training_pool(demos, demo_families, measured, settings), lagging(measured, settings)
+            if focus and focus != set(measured["by_family"]):
+                wanted += f"; next: {', '.join(sorted(focus))} only"
             progress(f"sft step {step}/{settings.max_steps}: loss {loss:.4f}, held-out predicted reward "
                      f"{measured['predicted_reward']:.3f} ({families_text}; {wanted}), held-out nll "
                      f"{measured['nll']:.4f} ({time.perf_counter() - started:.0f}s)")
@@ -164,7 +188,7 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
     model.save_pretrained(settings.out, safe_serialization=True)
     tokenizer.save_pretrained(settings.out)
     return {"out": str(settings.out), "steps": step, "max_steps": settings.max_steps, "target": settings.target,
-            "family_target": settings.family_target, "ceiling": settings.ceiling,
+            "family_target": settings.family_target, "ceiling": settings.ceiling, "balanced": settings.balanced,
             "reached": reached(measured, settings),
             "predicted_reward": measured["predicted_reward"], "by_family": measured["by_family"],
             "heldout_nll": measured["nll"],

@@ -151,3 +151,42 @@ def test_sft_stops_at_the_ceiling_with_a_family_still_short(tiny_model_dir, tmp_
     result = run_sft(settings, progress=lambda line: None)
     assert (result["steps"], result["reached"]) == (6, False) and result["predicted_reward"] == pytest.approx(0.52)
     assert result["by_family"] == {"lookup": 0.95, "reasoning": 0.09}
+
+
+def test_balanced_sft_trains_only_the_families_short_of_their_target(tiny_model_dir, tmp_path, monkeypatch):
+    """With balanced, a family that has its foothold stops being trained while the others catch up (and is trained
+    again if it falls back); once every family is at its target, batches come from all of them again."""
+    readings = iter([(0.0, 0.0, 0.0), (0.3, 0.02, 0.03), (0.4, 0.05, 0.2), (0.08, 0.12, 0.15), (0.3, 0.11, 0.12),
+                     (0.5, 0.2, 0.2)])
+    family_of, trained = {}, []
+    real_demonstrations, real_loss = sft.demonstrations, sft.sft_loss
+
+    def demonstrations(tokenizer, settings):
+        demos, families = real_demonstrations(tokenizer, settings)
+        family_of.update({id(d): f for d, f in zip(demos, families)})
+        return demos, families
+
+    def measured(model, demos, families):
+        lookup, agent, reasoning = next(readings)
+        return {"predicted_reward": (lookup + agent + reasoning) / 3, "nll": 1.0,
+                "by_family": {"agent": agent, "lookup": lookup, "reasoning": reasoning}}
+
+    def loss(model, batch):
+        trained.append({family_of[id(d)] for d in batch})
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(sft, "demonstrations", demonstrations)
+    monkeypatch.setattr(sft, "criterion", measured)
+    monkeypatch.setattr(sft, "sft_loss", loss)
+    settings = SftSettings(base_model=tiny_model_dir, out=tmp_path / "warm", examples=24, max_steps=100,
+                           target=0.2, family_target=0.1, balanced=True, check_every=2, check_examples=6,
+                           batch_size=6)
+    lines = []
+    result = run_sft(settings, progress=lines.append)
+    assert (result["steps"], result["reached"], result["balanced"]) == (10, True, True)
+    assert trained[0] | trained[1] == {"agent", "lookup", "reasoning"}  # nobody there yet: every family
+    assert trained[2] | trained[3] == {"agent", "reasoning"}  # lookup has its foothold
+    assert trained[4] | trained[5] == {"agent"}
+    assert trained[6] | trained[7] == {"lookup"}  # lookup fell back under its target
+    assert len(trained[8] | trained[9]) > 1  # all at their target, the overall one not yet: every family again
+    assert "next: agent, reasoning only" in lines[0] and "next: lookup only" in lines[2]
