@@ -190,9 +190,9 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
     families = ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items())
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
              f"{sft['predicted_reward']:.3f} ({families}), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
-    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "balanced", "reached", "predicted_reward",
-                                "by_family", "heldout_nll", "heldout_examples", "examples", "final_loss", "seconds",
-                                "curve")}
+    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "balanced", "reached",
+                                "predicted_reward", "by_family", "heldout_nll", "heldout_examples", "examples",
+                                "final_loss", "seconds", "curve")}
 
 
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:

@@ -135,10 +135,8 @@ def lagging(measured: dict, settings: SftSettings) -> set[str]:
     return {f for f, v in measured.get("by_family", {}).items() if v < settings.family_target}
 
 
-def training_pool(demos: list[list[Turn]], families: list[str], measured: dict,
-                  settings: SftSettings) -> list[list[Turn]]:
-    """The demonstrations the next steps' batches are drawn from."""
-    focus = lagging(measured, settings)
+def training_pool(demos: list[list[Turn]], families: list[str], focus: set[str]) -> list[list[Turn]]:
+    """The demonstrations the next steps' batches are drawn from: those of the `focus` families (empty: all)."""
     return [d for d, f in zip(demos, families) if f in focus] or demos
 
 
@@ -161,7 +159,7 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     rng = random.Random(settings.seed)
     started, loss, step, measured = time.perf_counter(), float("nan"), 0, criterion(model, checks, families)
-    curve, pool = [{"step": 0, **measured}], training_pool(demos, demo_families, measured, settings)
+    curve, pool = [{"step": 0, **measured}], training_pool(demos, demo_families, lagging(measured, settings))
     while step < settings.max_steps and (settings.target is None or not reached(measured, settings)) and (
             settings.ceiling is None or measured["predicted_reward"] < settings.ceiling):
         batch = rng.sample(pool, min(settings.batch_size, len(pool)))
@@ -177,7 +175,8 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
             families_text = ", ".join(f"{f} {v:.3f}" for f, v in measured["by_family"].items())
             wanted = f"target {settings.target}" + (f", each family {settings.family_target}"
                                                      if settings.family_target is not None else "")
-            pool, focus = training_pool(demos, demo_families, measured, settings), lagging(measured, settings)
+            focus = lagging(measured, settings)
+            pool = training_pool(demos, demo_families, focus)
             if focus and focus != set(measured["by_family"]):
                 wanted += f"; next: {', '.join(sorted(focus))} only"
             progress(f"sft step {step}/{settings.max_steps}: loss {loss:.4f}, held-out predicted reward "
