@@ -75,7 +75,7 @@ class LearningSettings:
     sft_max_steps: int = 3000
     sft_target: float = 0.2  # held-out predicted reward at which SFT stops (forge_stream/trainer/sft.py)
     sft_family_target: float | None = 0.1  # and each task family's own (None: off)
-    sft_balanced: bool = False  # train only the families still short of sft_family_target
+    sft_balanced: bool = False  # half of each batch from the families short of sft_family_target
     sft_examples: int = 600
     sft_lr: float = 3e-3
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
@@ -177,7 +177,7 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
         return {"pretrained": s.model, "model_dir": str(model_dir)}
     env = {**os.environ, "FORGE_HOME": str(home)}
     each = "" if s.sft_family_target is None else (
-        f", each family's {s.sft_family_target:g}" + (", training the families short of it" if s.sft_balanced else ""))
+        f", each family's {s.sft_family_target:g}" + (", half of each batch from those short of it" if s.sft_balanced else ""))
     progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
     _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)

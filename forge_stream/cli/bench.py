@@ -239,8 +239,9 @@ def learning(
     sft_target: float = typer.Option(0.2, help="Held-out predicted reward at which the warm start's SFT stops."),
     sft_family_target: float = typer.Option(0.1, help="The warm start's SFT also goes on until each task family's "
                                                         "held-out predicted reward reaches this; negative: off."),
-    sft_balanced: bool = typer.Option(False, help="The warm start trains only the task families still short of "
-                                                 "--sft-family-target, so an easy one keeps room to improve."),
+    sft_balanced: bool = typer.Option(False, help="The warm start draws half of each batch from the task families "
+                                                 "still short of --sft-family-target, so an easy one keeps room to "
+                                                 "improve."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
     sft_lr: float = typer.Option(3e-3, help="Warm-start SFT learning rate."),
     band: Tuple[float, float] = typer.Option((0.1, 0.5), help="Held-out reward (SFT's criterion, then the test "

@@ -23,8 +23,9 @@ def sft(
                                                     "held-out predicted reward reaches this; negative: off."),
     ceiling: float = typer.Option(-1.0, help="Stop once the held-out predicted reward reaches this, every family at "
                                              "--family-target or not (a warm start's band has a top); negative: off."),
-    balanced: bool = typer.Option(False, help="With --family-target: train only the families still short of it "
-                                              "(every family once none is), so an easy one keeps room to improve."),
+    balanced: bool = typer.Option(False, help="With --family-target: draw half of each batch from the families "
+                                              "still short of it, the rest from all, so an easy one keeps room to "
+                                              "improve."),
     check_every: int = typer.Option(25, help="Steps between two measurements of the criterion."),
     check_examples: int = typer.Option(128, help="Validation-split demonstrations the criterion is measured on."),
     batch_size: int = typer.Option(16, help="Demonstrations per step."),
