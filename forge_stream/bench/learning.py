@@ -407,6 +407,7 @@ def _summary(s: LearningSettings, seed: int, warm: dict, baseline: dict, final: 
         "baseline_by_domain": {d["domain"]: d["mean"] for d in baseline["domains"] if d["domain"] != "all"},
         "final_by_domain": {d["domain"]: d["mean"] for d in final["domains"] if d["domain"] != "all"},
         "rl_minutes": round(rl_minutes, 2), "steps": len(steps), "groups_trained": sum(st["groups"] for st in steps),
+        "groups_without_signal": sum(st.get("groups_without_signal", 0) for st in steps),
         "rollouts_trained": sum(st["rollouts"] for st in steps), "final_policy_version": served,
         "test_tasks": len(tasks), "loss": s.loss,
         "mismatch_mean": sum(st["mismatch_mean"] for st in steps) / len(steps) if steps else None,

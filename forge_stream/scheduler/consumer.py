@@ -380,6 +380,6 @@ def step_record(run: str, step: int, batch: Batch, metrics: dict) -> dict:
         "tokens_per_s": 0.0, "staleness_mean": batch.staleness_mean, "staleness_max": batch.staleness_max,
         "grad_norm": 0.0, "lr": 0.0, "loss_name": "", "outcome_reward": 0.0, "rollouts": 0,
         "mismatch_mean": 0.0, "mismatch_max": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "clip_fraction": 0.0,
-        "per_update": [],
+        "per_update": [], "groups_without_signal": 0,
     }
     return base | metrics | {"group_ids": batch.group_ids}

@@ -23,7 +23,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from forge_stream.trainer.step import StepConfig, accumulate_gradients, completion_tokens, micro_batch_plan
+from forge_stream.trainer.step import (
+    StepConfig, accumulate_gradients, completion_tokens, has_signal, micro_batch_plan,
+)
 
 
 def balance(sizes: Sequence[int], world_size: int) -> list[list[int]]:
@@ -65,7 +67,7 @@ class DataParallel:
         mine = self.share(samples)
         pad_to = 0
         if self.fsdp:
-            passes = len(micro_batch_plan(mine, config.token_budget))
+            passes = len(micro_batch_plan([s for s in mine if has_signal(s)], config.token_budget))
             pad_to = int(self._reduce(torch.tensor([passes]), dist.ReduceOp.MAX)[0])
         acc = accumulate_gradients(model, mine, config, completion_tokens(samples), pad_to)
         if not self.fsdp:

@@ -149,7 +149,7 @@ class PolicyTrainer:
         metrics = {key: getattr(stats, key) for key in (
             "loss_name", "loss", "mean_reward", "outcome_reward", "rollouts", "total_tokens", "unique_tokens",
             "tree_ratio", "grad_norm", "clip_fraction", "ratio_mean", "ratio_max", "mismatch_mean",
-            "mismatch_max", "per_update")}
+            "mismatch_max", "per_update", "groups_without_signal")}
         return metrics | {"tokens_per_s": stats.total_tokens / elapsed, "lr": self.settings.step.lr}
 
     def checkpoint(self) -> dict:

@@ -180,7 +180,7 @@ def run_sft(settings: SftSettings, progress: Callable[[str], None] = print) -> d
             wanted = f"target {settings.target}" + (f", each family {settings.family_target}"
                                                      if settings.family_target is not None else "")
             focus = lagging(measured, settings)
-            if focus:
+            if focus and focus != set(measured["by_family"]):
                 wanted += f"; next: half of each batch from {', '.join(sorted(focus))}"
             progress(f"sft step {step}/{settings.max_steps}: loss {loss:.4f}, held-out predicted reward "
                      f"{measured['predicted_reward']:.3f} ({families_text}; {wanted}), held-out nll "

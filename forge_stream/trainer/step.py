@@ -13,6 +13,11 @@ the ranks sum their gradients.
 
 `StepConfig.loss` picks the loss and, unless `clip` is given, its own clip bounds (`LOSS_CLIP`: CISPO
 eps_low None / eps_high 4.0, PPO 0.2 / 0.2); PPO also applies its dual clip `clip_ratio_c` (3.0; None: off).
+A group whose every advantage is 0 (all its rollouts scored alike: a task the policy always or never solves)
+adds nothing to the gradient of either loss, only its tokens to the normalizer: it is counted there and not run
+through the model (`has_signal`), so the gradient is the one the whole batch gives at a fraction of the work
+(`groups_without_signal` in the stats). A batch with no signal at all changes no weight.
+
 Besides the loss, a step reports the train-inference mismatch over the tokens it trained (|logp - recorded logp|
 mean and max, importance ratio mean and max, clip fraction) and the mean outcome reward of the batch's rollouts
 (one value per distinct (group, rollout)); with several updates per batch, each update's too (`per_update`).
@@ -92,6 +97,7 @@ class StepStats:
     rollouts: int
     staleness_mean: float
     staleness_max: int
+    groups_without_signal: int  # groups whose every advantage is 0: in the normalizer, not run through the model
     per_update: list[dict]  # every update's UPDATE_STATS, in order (the fields above are the first update's)
 
     def as_dict(self) -> dict:
@@ -192,6 +198,12 @@ def build_optimizer(model: torch.nn.Module, config: StepConfig) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
+def has_signal(sample: dict) -> bool:
+    """Whether a group can move the weights: some sequence has a non-zero advantage (both losses weigh every
+    token by its advantage; there is no KL or entropy term)."""
+    return any(ref["advantage"] != 0.0 for ref in sample["sequences"])
+
+
 def completion_tokens(samples: Sequence[dict]) -> int:
     """The loss's normalizer: completion tokens of every sequence of the samples."""
     return sum(ref["length"] - ref["prompt_len"] for s in samples for ref in s["sequences"])
@@ -213,14 +225,15 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
                          progress: Callable[[str], None] | None = None) -> dict:
     """Run every micro-batch forward and backward (gradients add up in .grad); return the loss and counts.
 
+    Only the samples with a signal (`has_signal`) run; the others count in the normalizer alone.
     `loss_tokens`: the normalizer (default: the samples' completion tokens); a rank of a data-parallel step passes
     the whole batch's. `pad_to`: run zero-weighted forward/backward passes until that many micro-batches ran (FSDP
     ranks must run the same number of passes, whose collectives pair up). `progress` hears a line after each
     micro-batch (its rows, the time so far): one long sample's step can take an hour on a CPU.
     """
-    batches = micro_batch_plan(samples, config.token_budget)
     if loss_tokens is None:
         loss_tokens = completion_tokens(samples)
+    batches = micro_batch_plan([s for s in samples if has_signal(s)], config.token_budget)
     loss_fn = cispo_loss if config.loss == "cispo" else partial(ppo_clip_loss, clip_ratio_c=config.clip_ratio_c)
     bounds = config.bounds
     total_loss = 0.0
@@ -345,6 +358,7 @@ def train_step(
         rollouts=len(outcomes),
         staleness_mean=sum(staleness) / len(staleness),
         staleness_max=max(staleness),
+        groups_without_signal=sum(not has_signal(s) for s in samples),
         per_update=[{key: grad if key == "grad_norm" else update[key] for key in UPDATE_STATS}
                     for update, grad in updates],
     )

@@ -35,6 +35,7 @@ PINNED = {
     ("forge.events.TrainStep", 1): "79e57c0dc8e159429f9560b53d98106d817ba3916ce4fad9fc4f4176ed824147",
     ("forge.events.TrainStep", 2): "a07ab1d2490f0c07621610b00434396b7a6c269556a7621dde642330a48ab709",
     ("forge.events.TrainStep", 3): "72f2ba2d2a2e8d800a34fb9586785333385fd7fd8d874c5fb07db5908f8a09a2",
+    ("forge.events.TrainStep", 4): "8c939d682167a20a96ae2562c1861d5ace295594ab842543453fbffcb6fccca1",
     ("forge.events.Trajectory", 1): "00e7aa2e07a78a4a4c8b1b4b56189c93e67685f74254c8608f05c5dd00c443a6",
     ("forge.events.Trajectory", 2): "36f0da630d62ac14e0bf15f326e6f66690b67ffde5ba014bdb3cc1dabf9605fe",
     ("forge.events.Trajectory", 3): "99aca2af7fee774210e7a3f6c2f62726f49b025b8daf7726364d60ab31f99606",

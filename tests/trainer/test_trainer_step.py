@@ -84,6 +84,35 @@ def test_micro_batched_gradient_equals_direct_cispo_on_separate_passes():
         assert rel < 1e-6, (name, rel)
 
 
+def test_a_group_without_signal_counts_in_the_normalizer_but_is_not_run():
+    """A group whose rollouts all scored alike (every advantage 0) leaves the gradient the whole batch gives (its
+    tokens still in the normalizer), without a forward or backward pass of its own."""
+    model = tiny_causal_lm("qwen2", dtype=torch.float64, seed=7)
+    idle = _sample("g3", [[3, 1, 4, 1, 5], [3, 1, 4, 9, 2, 6]], [2, 2], [0.0, 0.0], 3, 3)
+    samples = [*_samples(), idle]
+    config = StepConfig(clip=Clip(None, 0.3), token_budget=12, chunk_rows=4)
+    ref = _direct_cispo_grads(model, samples, config.bounds.high)
+    model.zero_grad()
+    acc = accumulate_gradients(model, samples, config)
+    for name, p in model.named_parameters():
+        rel = float((p.grad - ref[name]).abs().max()) / float(ref[name].abs().max())
+        assert rel < 1e-6, (name, rel)
+    trained = sum(r["length"] - r["prompt_len"] for s in samples[:3] for r in s["sequences"])
+    assert (acc["tokens"], acc["loss_tokens"]) == (trained, trained + 3 + 4)
+    stats = train_step(model, build_optimizer(model, config), samples, config, policy_version=5)
+    assert (stats.groups, stats.groups_without_signal) == (4, 1)
+
+
+def test_a_batch_without_signal_changes_no_weight():
+    model = tiny_causal_lm("llama", seed=8)
+    samples = [{**s, "sequences": [{**r, "advantage": 0.0} for r in s["sequences"]]} for s in _samples()]
+    config = StepConfig(lr=1e-2, token_budget=20, updates=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_step(model, build_optimizer(model, config), samples, config, policy_version=5)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert (stats.groups_without_signal, stats.grad_norm, stats.micro_batches) == (3, 0.0, 0)
+
+
 def test_train_step_updates_the_model_and_reports_counts():
     model = tiny_causal_lm("llama", seed=8)
     samples = _samples()
