@@ -75,7 +75,7 @@ class LearningSettings:
     sft_max_steps: int = 3000
     sft_target: float = 0.2  # held-out predicted reward at which SFT stops (forge_stream/trainer/sft.py)
     sft_family_target: float | None = 0.1  # and each task family's own (None: off)
-    sft_balanced: bool = False  # half of each batch from the families short of sft_family_target
+    sft_balanced: bool = True  # half of each batch from the families short of sft_family_target
     sft_examples: int = 600
     sft_lr: float = 3e-3
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts

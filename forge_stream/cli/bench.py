@@ -239,7 +239,7 @@ def learning(
     sft_target: float = typer.Option(0.2, help="Held-out predicted reward at which the warm start's SFT stops."),
     sft_family_target: float = typer.Option(0.1, help="The warm start's SFT also goes on until each task family's "
                                                         "held-out predicted reward reaches this; negative: off."),
-    sft_balanced: bool = typer.Option(False, help="The warm start draws half of each batch from the task families "
+    sft_balanced: bool = typer.Option(True, help="The warm start draws half of each batch from the task families "
                                                  "still short of --sft-family-target, so an easy one keeps room to "
                                                  "improve."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
