@@ -176,8 +176,8 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
         progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
         return {"pretrained": s.model, "model_dir": str(model_dir)}
     env = {**os.environ, "FORGE_HOME": str(home)}
-    each = "" if s.sft_family_target is None else (
-        f", each family's {s.sft_family_target:g}" + (", half of each batch from those short of it" if s.sft_balanced else ""))
+    balanced = ", half of each batch from those short of it" if s.sft_balanced else ""
+    each = "" if s.sft_family_target is None else f", each family's {s.sft_family_target:g}{balanced}"
     progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
     _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)
