@@ -64,10 +64,10 @@ class DataParallel:
         return [samples[i] for i in balance([len(s["token_ids"]) for s in samples], self.world_size)[self.rank]]
 
     def accumulate(self, model: torch.nn.Module, samples: Sequence[dict], config: StepConfig) -> dict:
-        mine = self.share(samples)
+        mine = self.share([s for s in samples if has_signal(s)])  # the others count in the normalizer only
         pad_to = 0
         if self.fsdp:
-            passes = len(micro_batch_plan([s for s in mine if has_signal(s)], config.token_budget))
+            passes = len(micro_batch_plan(mine, config.token_budget))
             pad_to = int(self._reduce(torch.tensor([passes]), dist.ReduceOp.MAX)[0])
         acc = accumulate_gradients(model, mine, config, completion_tokens(samples), pad_to)
         if not self.fsdp:

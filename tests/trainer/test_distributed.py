@@ -20,7 +20,8 @@ CONFIG = StepConfig(clip=Clip(None, 0.3), lr=1e-2, grad_clip=0.05, token_budget=
 
 
 def _batches():
-    """Three steps: trees of different sizes (some sharing a prompt), then a NaN advantage, then one tree only."""
+    """Five steps: trees of different sizes (some sharing a prompt), a NaN advantage, one tree only, and a group
+    without signal (every advantage 0: in the normalizer, run by no rank) among three with one."""
     prompt = [5, 9, 2, 7]
     trees = [
         _sample("g0", [prompt + [1, 2, 3], prompt + [1, 2, 4, 4], prompt + [8]], [4, 4, 4], [1.0, -0.5, -0.5], 3, 0),
@@ -34,7 +35,8 @@ def _batches():
     poisoned = [dict(s) for s in second]
     poisoned[3] = {**second[3], "sequences": [{**second[3]["sequences"][0], "advantage": float("nan")},
                                               *second[3]["sequences"][1:]]}
-    return [trees, second, poisoned, trees[3:4]]
+    idle = _sample("i0", [prompt + [6, 6, 6, 6, 6], prompt + [6, 1]], [4, 4], [0.0, 0.0], 4, 20)
+    return [trees, second, poisoned, trees[3:4], [idle, trees[2], *second[:2]]]
 
 
 def _steps(dtype, ranks=None):
@@ -66,8 +68,9 @@ def test_balance_spreads_unique_tokens_deterministically():
 
 
 def test_two_gloo_ranks_take_the_single_process_steps(tmp_path):
-    """Parameters after each of 4 steps (the second with active grad clipping on summed gradients, the third
-    skipped for a NaN on one rank's tree, the fourth with an idle rank) equal the single-process run."""
+    """Parameters after each of 5 steps (the second with active grad clipping on summed gradients, the third
+    skipped for a NaN on one rank's tree, the fourth with an idle rank, the fifth with a group without signal) equal
+    the single-process run."""
     dtype = torch.float64  # float32 agrees within 1e-6 for three steps; Adam amplifies its rounding to ~1.2e-6 by the 4th
     single = _steps(dtype)
     mp.start_processes(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), dtype), nprocs=2, join=True,
@@ -83,7 +86,8 @@ def test_two_gloo_ranks_take_the_single_process_steps(tmp_path):
                         "mismatch_max", "mean_reward", "outcome_reward"):
                 if stats[key] == stats[key]:
                     assert rank_stats[key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), (step, key)
-            for key in ("loss_tokens", "total_tokens", "unique_tokens", "groups", "sequences"):
+            for key in ("loss_tokens", "total_tokens", "unique_tokens", "groups", "sequences",
+                        "groups_without_signal"):
                 assert rank_stats[key] == stats[key], (step, key)
     assert single[0][1]["grad_norm"] > CONFIG.grad_clip  # the clip is active
     assert single[2][1]["grad_norm"] != single[2][1]["grad_norm"] and ranks[1][2][1]["grad_norm"] != ranks[1][2][1][
@@ -91,6 +95,7 @@ def test_two_gloo_ranks_take_the_single_process_steps(tmp_path):
     for rank in (single, *ranks):  # the poisoned step changed nothing on any rank
         assert all(torch.equal(rank[1][0][k], rank[2][0][k]) for k in rank[1][0])
     assert any(not torch.equal(single[0][0][k], single[1][0][k]) for k in single[0][0])
+    assert [step[1]["groups_without_signal"] for step in single] == [0, 0, 0, 0, 1]
 
 
 def test_train_nproc_2_consumes_and_publishes_on_rank_0_only(kafka_bootstrap, tiny_model_dir, tmp_path, run_id):
