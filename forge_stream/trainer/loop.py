@@ -66,13 +66,19 @@ def progress_line(record: dict, policy_version: int) -> str:
     'step 3: policy v4, 8 groups, cispo loss 0.1235, outcome 0.500, reward 0.100, mismatch 0.0012, clip 0.010, T/U 2.50, staleness max 1'
     >>> progress_line({**record, "groups_without_signal": 3}, 4)[:50]
     'step 3: policy v4, 8 groups (3 without signal), ci'
+    >>> progress_line({**record, "groups_without_signal": 8}, 4)[:80]
+    'step 3: policy v4, 8 groups, none with a signal (every advantage 0: nothing trai'
     >>> progress_line({**record, "per_update": [{"ratio_max": 1.0, "clip_fraction": 0.01},
     ...                                         {"ratio_max": 1.75, "clip_fraction": 0.125}]}, 4)[-59:]
     'staleness max 1; update 2 of 2: ratio max 1.750, clip 0.125'
     """
     idle = record.get("groups_without_signal") or 0
-    line = (f"step {record['step']}: policy v{policy_version}, {record['groups']} groups"
-            + (f" ({idle} without signal), " if idle else ", ") +
+    head = f"step {record['step']}: policy v{policy_version}, {record['groups']} groups"
+    if idle and idle == record["groups"]:  # nothing ran: no loss, mismatch or clip to report
+        return (f"{head}, none with a signal (every advantage 0: nothing trained), outcome "
+                f"{record['outcome_reward']:.3f}, reward {record['mean_reward']:.3f}, T/U {record['tree_ratio']:.2f}, "
+                f"staleness max {record['staleness_max']}")
+    line = (head + (f" ({idle} without signal), " if idle else ", ") +
             f"{record['loss_name']} loss {record['loss']:.4f}, outcome {record['outcome_reward']:.3f}, "
             f"reward {record['mean_reward']:.3f}, mismatch {record['mismatch_mean']:.4f}, "
             f"clip {record['clip_fraction']:.3f}, T/U {record['tree_ratio']:.2f}, "
