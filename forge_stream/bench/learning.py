@@ -92,6 +92,16 @@ class LearningSettings:
         mix's families for a pretrained model."""
         return f"suite:test?mix={self.mix}" if self.model else "suite:test"
 
+    def training_source(self, seed: int) -> str:
+        """Seed `seed`'s RL stream. It starts past the tasks the seed's warm start was shown (`sft --examples N` on
+        the same seed and mix demonstrates the stream's first N), so RL does not begin on memorized tasks.
+
+        >>> LearningSettings().training_source(2)
+        'suite:train?seed=2&mix=reasoning=1,agent=1,lookup=1&skip=600'
+        """
+        skip = 0 if self.model else self.sft_examples
+        return f"suite:train?seed={seed}&mix={self.mix}" + (f"&skip={skip}" if skip else "")
+
 
 class OutsideBand(Exception):
     """A warm start outside the band: no RL was started. `result` is what the bench prints (`refused` says why)."""
@@ -273,7 +283,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         from forge_stream.deploy import controller_service, credentials_env
 
         controller = controller_service(cfg, {
-            "tasks": f"suite:train?seed={seed}&mix={s.mix}", "agent": AGENT, "agent_workers": s.agent_workers,
+            "tasks": s.training_source(seed), "agent": AGENT, "agent_workers": s.agent_workers,
             "agent_per_worker": -(-s.concurrency // s.agent_workers), "concurrency": s.concurrency,
             "group_size": s.group_size, "name": run_id, "loop": True})
         # the gateway `up` started takes sessions opened with the deployment's admin token only

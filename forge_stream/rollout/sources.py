@@ -5,14 +5,17 @@ A source is any re-iterable of `TaskSpec`: iterating it again starts it over (th
 
 - a path: a JSONL file, one task a line (`task_id`, `prompt`, and optionally `reference`, `domain`, `grader`,
   `group_size`, `metadata`); it is read again each time it is iterated, so edits show up on the next cycle;
-- `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..]`: the shipped task suite
+- `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..&skip=..]`: the shipped task suite
   (`forge_stream.tasks.suite.iter_tasks`), an endless seeded stream of one of its fixed splits (`train`,
-  `validation`, `test`; `heldout` is `test`); `mix` is `agent=2,lookup=1`. Which tasks belong to a split does not
-  depend on the options, so an evaluation on `suite:test` is one set whatever the training stream's seed and mix.
+  `validation`, `test`; `heldout` is `test`); `mix` is `agent=2,lookup=1`; `skip=N` starts the stream at its task
+  N (e.g. past the N tasks `forge-stream sft --examples N` demonstrated from the same seed and mix). Which tasks
+  belong to a split does not depend on the options, so an evaluation on `suite:test` is one set whatever the
+  training stream's seed and mix.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -70,15 +73,20 @@ class SuiteTasks:
         from forge_stream.tasks.suite import iter_tasks, parse_mix
 
         kwargs: dict = {}
+        skip = 0
         for name, value in self.options:
             if name == "mix":
                 kwargs["mix"] = parse_mix(value)
             elif name in ("seed", "difficulty", "group_size", "max_tokens"):
                 kwargs[name] = int(value)
+            elif name == "skip":
+                skip = int(value)
+                if skip < 0:
+                    raise ValueError(f"suite:{self.split}: skip must be 0 or more, not {skip}")
             else:
                 raise ValueError(f"suite:{self.split}: unknown option {name!r} "
-                                 "(known: seed, mix, difficulty, group_size, max_tokens)")
-        return iter_tasks(self.split, **kwargs)
+                                 "(known: seed, mix, difficulty, group_size, max_tokens, skip)")
+        return itertools.islice(iter_tasks(self.split, **kwargs), skip, None)
 
 
 @dataclass(frozen=True)

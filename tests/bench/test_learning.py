@@ -1,6 +1,7 @@
 """`forge-stream bench learning`: it refuses RL from a warm start outside the band (saying why and what to do), pairs
 each seed's two evaluations on the same test tasks, and runs several seeds end to end with tiny budgets."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ from typer.testing import CliRunner
 from forge_stream.bench import learning
 from forge_stream.bench.intervals import tasks_for_half_width
 from forge_stream.cli import app
+from forge_stream.rollout.sources import load_task_source
+from forge_stream.tasks.suite import make_tasks, parse_mix
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE_RUN_KEYS = {"baseline_reward", "final_reward", "improvement", "improvement_ci95", "steps", "groups_trained",
@@ -97,6 +100,23 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     assert (s.lr, s.updates_per_batch) == (1e-5, 1)
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
     assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
+
+
+def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
+    """SFT demonstrates the first `sft_examples` tasks of the seed's training stream (same seed and mix); RL's
+    stream is that stream from the next task on, so none of its tasks is one the warm start memorized."""
+    s = learning.LearningSettings(sft_examples=50)
+    for seed in (0, 3):
+        shown = make_tasks("train", s.sft_examples, seed=seed, mix=parse_mix(s.mix))
+        unskipped = list(itertools.islice(load_task_source(f"suite:train?seed={seed}&mix={s.mix}"), 60))
+        assert [t.task_id for t in unskipped[:50]] == [t.task_id for t in shown]  # what a stream without skip trains
+        trained = list(itertools.islice(load_task_source(s.training_source(seed)), 10))
+        assert [t.task_id for t in trained] == [t.task_id for t in unskipped[50:60]]
+        assert not {t.task_id for t in trained} & {t.task_id for t in shown}
+    pretrained = learning.LearningSettings(model="SmolLM2-135M-Instruct", mix="mental=1")
+    assert "skip" not in pretrained.training_source(0)  # no warm start, nothing to skip
+    with pytest.raises(ValueError, match="skip must be 0 or more"):
+        next(iter(load_task_source("suite:train?skip=-1")))
 
 
 def test_evaluations_on_different_tasks_are_no_pair():
