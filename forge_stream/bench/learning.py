@@ -142,8 +142,16 @@ def _latest_policy(bootstrap: str, run: str) -> int:
 
 
 def _served_version(engine_url: str) -> int | None:
-    """The policy version the engine serves, from its /health (the one route that needs no engine token)."""
-    return httpx.get(f"{engine_url}/health", timeout=10).json().get("policy_version")
+    """The policy version the engine serves, from its /health (the one route that needs no engine token); None while
+    it does not answer (e.g. restarting under its supervisor).
+
+    >>> _served_version("http://127.0.0.1:9") is None
+    True
+    """
+    try:
+        return httpx.get(f"{engine_url}/health", timeout=10).json().get("policy_version")
+    except httpx.TransportError:
+        return None
 
 
 def _wait_served(engine_url: str, version: int, timeout_s: float = 120.0) -> int | None:
@@ -307,6 +315,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         supervisor.stop("trainer", timeout=120)
         last = _latest_policy(cfg.bootstrap, run_id)
         served = _wait_served(engine_url, last)
+        if served is None:
+            raise EngineGone(f"{tag} the engine at {engine_url} did not answer for 120 s after RL stopped, so the "
+                               f"trained policy cannot be evaluated: read {cfg.run_dir / 'engine.log'}")
         progress(f"{tag} [5/5] test evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
         progress(f"{tag}   test reward {_describe(final)}")
@@ -340,6 +351,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
 
 class NothingTrained(RuntimeError):
     """RL ran its budget without one training step: an improvement would be a second evaluation's noise."""
+
+
+class EngineGone(RuntimeError):
+    """The engine stopped answering after RL: the trained policy cannot be evaluated (its log says why)."""
 
 
 def _proc_tree_cpu_s(root: int) -> float:

@@ -264,7 +264,7 @@ def learning(
     mix = mix or ("mental=1" if model else "reasoning=1,agent=1,lookup=1")
     lr = lr if lr is not None else (1e-5 if model else 1e-4)
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
-    from forge_stream.bench.learning import LearningSettings, NothingTrained, OutsideBand, run
+    from forge_stream.bench.learning import EngineGone, LearningSettings, NothingTrained, OutsideBand, run
 
     if engine_kind not in ("torch", "vllm"):
         typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)
@@ -285,7 +285,7 @@ def learning(
         typer.echo(f"refusing to start RL: {exc}", err=True)
         emit(exc.result, as_json)
         raise typer.Exit(3)
-    except NothingTrained as exc:
+    except (NothingTrained, EngineGone) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     emit(result, as_json)

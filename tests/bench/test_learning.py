@@ -119,6 +119,30 @@ def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
         next(iter(load_task_source("suite:train?skip=-1")))
 
 
+def test_an_engine_that_stops_answering_is_a_clear_error_not_a_traceback(monkeypatch, tmp_path):
+    """After RL the bench waits for the engine to serve the last version: an engine that does not answer (restarting,
+    or gone) is waited for, then reported with its log; one that answers gives its version."""
+    from fastapi import FastAPI
+    from helpers import serving
+
+    from forge_stream.kafka.broker import free_port
+
+    assert learning._wait_served(f"http://127.0.0.1:{free_port()}", 3, timeout_s=1.5) is None
+    health = FastAPI()
+    health.get("/health")(lambda: {"policy_version": 3})
+    with serving(health) as url:
+        assert learning._wait_served(url, 3, timeout_s=5) == 3
+
+    def gone(*args, **kwargs):
+        raise learning.EngineGone("[seed 0] the engine at http://x did not answer for 120 s ...: read /h/engine.log")
+
+    monkeypatch.setattr(learning, "warm_start", lambda s, seed, home, progress: warm(0.3))
+    monkeypatch.setattr(learning, "run_seed", gone)
+    result = CliRunner().invoke(app, ["bench", "learning", "--home", str(tmp_path), "--json"])
+    assert result.exit_code == 1 and "error: [seed 0] the engine" in result.stderr and "engine.log" in result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_evaluations_on_different_tasks_are_no_pair():
     with pytest.raises(RuntimeError, match="different test tasks"):
         learning.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))
