@@ -154,7 +154,10 @@ def _served_version(engine_url: str) -> int | None:
         return None
 
 
-def _wait_served(engine_url: str, version: int, timeout_s: float = 120.0) -> int | None:
+SERVE_WAIT_S = 120.0  # how long the bench waits, after RL, for the engine to serve the last version
+
+
+def _wait_served(engine_url: str, version: int, timeout_s: float = SERVE_WAIT_S) -> int | None:
     deadline = time.monotonic() + timeout_s
     served = _served_version(engine_url)
     while (served is None or served < version) and time.monotonic() < deadline:
@@ -316,8 +319,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         last = _latest_policy(cfg.bootstrap, run_id)
         served = _wait_served(engine_url, last)
         if served is None:
-            raise EngineGone(f"{tag} the engine at {engine_url} did not answer for 120 s after RL stopped, so the "
-                               f"trained policy cannot be evaluated: read {cfg.run_dir / 'engine.log'}")
+            raise EngineGone(f"{tag} the engine at {engine_url} did not answer for {SERVE_WAIT_S:.0f} s after RL "
+                             f"stopped, so the trained policy cannot be evaluated: read "
+                             f"{cfg.run_dir / 'engine.log'}")
         progress(f"{tag} [5/5] test evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
         progress(f"{tag}   test reward {_describe(final)}")
