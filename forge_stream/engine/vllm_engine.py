@@ -13,7 +13,11 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   opens under the new version: vLLM's weight checksums against the checkpoint's, then vLLM's prompt log-probs of
   a probe sequence against the checkpoint's own (transformers, computed before the pause). A version that cannot
   be proven is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
-  its supervisor starts it afresh.
+  its supervisor starts it afresh (vLLM stopped first: it would otherwise outlive its front).
+- **A trainer faster than the reloads** (a load takes seconds; the trainer may publish and rotate its checkpoints
+  away meanwhile): each load starts from the newest version published, and the engine first holds the checkpoint
+  it loads, hard links to its files (a copy across file systems) in a folder of its own, kept while vLLM serves
+  it, so that neither the reload nor a roll-back to it can find its files gone.
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
 - **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
   token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
@@ -26,8 +30,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import weakref
 from contextlib import asynccontextmanager
@@ -150,13 +157,35 @@ def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float
     return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
+def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
+    """A folder of this engine's own under `root` with the files of `checkpoint` (hard links, or copies where the
+    file system does not allow them): it stays whole whatever the trainer deletes. OSError if `checkpoint` is gone
+    or unreadable (nothing is left behind then)."""
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    held = Path(tempfile.mkdtemp(prefix=f"v{version:06d}-", dir=root))
+    try:
+        shutil.copytree(checkpoint, held, copy_function=link_or_copy, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        shutil.rmtree(held, ignore_errors=True)
+        raise OSError(f"cannot hold {checkpoint}: {exc}") from exc
+    return held
+
+
 @dataclass
 class EngineState:
     settings: VllmEngineSettings
     gate: VersionGate
+    holds: Path  # this engine's folder of held checkpoints (see hold_checkpoint)
     http: aiohttp.ClientSession | None = None
     control: VllmControl | None = None
-    checkpoint: str = ""
+    proc: subprocess.Popen | None = None
+    checkpoint: str = ""  # the served version's checkpoint, as the trainer published it
+    serving: str = ""  # the folder vLLM loaded it from: the start-up model, or a held copy
     ready: bool = False
     loads: int = 0
     failed_loads: int = 0
@@ -224,11 +253,14 @@ async def _relay(request: Request, path: str) -> Response:
 
 def create_app(settings: VllmEngineSettings) -> FastAPI:
     """The engine app; its lifespan starts vLLM, then (with a bootstrap) follows forge.policy."""
-    state = EngineState(settings, VersionGate(settings.policy_version), checkpoint=settings.model)
+    state = EngineState(settings, VersionGate(settings.policy_version), holds=Path(),
+                        checkpoint=settings.model, serving=settings.model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        proc = _start_vllm(settings)
+        settings.cache_dir.mkdir(parents=True, exist_ok=True)
+        state.holds = Path(tempfile.mkdtemp(prefix="engine-held-", dir=settings.cache_dir))
+        proc = state.proc = _start_vllm(settings)
         # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a
         # request sent on one it is closing fails (aiohttp keeps them 15 s by default)
         state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -244,6 +276,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
                     await task
             await state.http.close()
             _stop(proc)
+            shutil.rmtree(state.holds, ignore_errors=True)
 
     app = FastAPI(title="forge-stream vLLM engine", lifespan=lifespan)
     app.state.engine = state
@@ -278,8 +311,17 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
 def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
     log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
              " ".join(settings.vllm_argv()[3:]))
-    return start_process(settings.vllm_argv(), new_session=True,
+    return start_process(settings.vllm_argv(), new_session=True, preexec_fn=_end_with_parent,
                          env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib))
+
+
+def _end_with_parent() -> None:
+    """In the vLLM child before exec: SIGTERM it when this process dies, however it dies (Linux), so that a killed
+    front leaves no vLLM server behind (it runs in a session of its own, out of reach of signals to our group)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -295,10 +337,15 @@ def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait()
 
 
-def _exit(reason: str) -> None:
-    """End this process (its supervisor restarts it, and with it a fresh vLLM)."""
+def _exit(state: EngineState, reason: str) -> None:
+    """End this process now, vLLM first (its supervisor restarts it, and with it a fresh vLLM). Not a graceful
+    shutdown: that would wait for the requests held at a closed gate, which may never open again."""
     log.error("%s; stopping the engine so that it starts afresh", reason)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if state.proc is not None:
+        _stop(state.proc)
+    shutil.rmtree(state.holds, ignore_errors=True)
+    logging.shutdown()
+    os._exit(3)
 
 
 async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
@@ -307,12 +354,12 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
     async with httpx.AsyncClient(timeout=600) as client:
         while True:
             if proc.poll() is not None:
-                return _exit(f"vLLM exited during start-up (exit code {proc.returncode})")
+                return _exit(state, f"vLLM exited during start-up (exit code {proc.returncode})")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(state.vllm_url + "/health", timeout=5)).status_code == 200:
                     break
             if time.monotonic() - started > settings.start_timeout_s:
-                return _exit(f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
+                return _exit(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
         state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
         state.ready = True
@@ -321,7 +368,7 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
                  settings.model, state.gate.version,
                  f"loads each new version of run {settings.policy_run!r} from {TOPICS.policy.name} at "
                  f"{settings.bootstrap}" if settings.bootstrap else "follows no policy topic")
-        watch = asyncio.create_task(_watch_process(proc))
+        watch = asyncio.create_task(_watch_process(state, proc))
         try:
             if settings.bootstrap:
                 await follow_policy(state)
@@ -331,10 +378,10 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
             watch.cancel()
 
 
-async def _watch_process(proc: subprocess.Popen) -> None:
+async def _watch_process(state: EngineState, proc: subprocess.Popen) -> None:
     while proc.poll() is None:
         await asyncio.sleep(1.0)
-    _exit(f"vLLM exited (exit code {proc.returncode})")
+    _exit(state, f"vLLM exited (exit code {proc.returncode})")
 
 
 async def follow_policy(state: EngineState) -> None:
@@ -353,40 +400,46 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     """Move vLLM to `version` (see the module docstring); True if it serves it now."""
     settings = state.settings
     began = time.monotonic()
+    held = None
     try:
+        held = await asyncio.to_thread(hold_checkpoint, checkpoint, state.holds, version)
         expected = None
         if settings.probe:
-            ids = probe_ids(_vocab_size(checkpoint))
-            expected = await asyncio.to_thread(reference_logprobs, checkpoint, ids, settings.dtype)
+            ids = probe_ids(_vocab_size(str(held)))
+            expected = await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
     except (OSError, ValueError) as exc:
+        if held is not None:
+            shutil.rmtree(held, ignore_errors=True)
         state.failed_loads += 1
         log.warning("cannot read policy version %s at %s (%s); still serving version %s", version, checkpoint, exc,
                     state.gate.version)
         return False
     await state.gate.close()
-    held = time.monotonic()
-    previous = (state.checkpoint, state.gate.version)
+    held_at = time.monotonic()
     try:
-        proof = await state.control.load(checkpoint, version)
+        proof = await state.control.load(str(held), version)
         mismatch = await _probe(state, ids, expected) if expected is not None else None
     except (WorkerError, httpx.HTTPError, OSError) as exc:
         state.failed_loads += 1
         log.error("policy version %s from %s was not proven (%s); loading version %s back", version, checkpoint,
-                  exc, previous[1])
+                  exc, state.gate.version)
         try:
-            await state.control.load(*previous)
+            await state.control.load(state.serving, state.gate.version)
         except (WorkerError, httpx.HTTPError, OSError) as again:
-            _exit(f"vLLM could not load version {previous[1]} back either ({again})")
-            return False
-        state.gate.reopen(previous[1])
+            _exit(state, f"vLLM could not load version {state.gate.version} back either ({again})")
+        shutil.rmtree(held, ignore_errors=True)
+        state.gate.reopen(state.gate.version)
         return False
-    state.checkpoint, state.loads, state.last_mismatch = checkpoint, state.loads + 1, mismatch
+    if state.serving != settings.model:
+        shutil.rmtree(state.serving, ignore_errors=True)
+    state.checkpoint, state.serving = checkpoint, str(held)
+    state.loads, state.last_mismatch = state.loads + 1, mismatch
     state.gate.reopen(version)
     log.info("serving policy version %s from %s: %d checksums equal the checkpoint's, %d of %d fused changed, probe "
              "log-probs within %s of transformers', prefix cache reset%s; requests held %.2fs (%.2fs in all)",
              version, checkpoint, proof.matched, proof.fused_changed, proof.fused,
              f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
-             " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - held,
+             " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - held_at,
              time.monotonic() - began)
     return True
 

@@ -188,13 +188,26 @@ class VllmControl:
             paused = False
         except (WorkerError, httpx.HTTPError, OSError):
             if paused:
-                try:
-                    await self.call(Call("POST", "/resume"))
-                except (WorkerError, httpx.HTTPError) as exc:
-                    log.warning("%s: resume after a failed update failed too: %s", self.url, exc)
+                await self.resume()
             raise
         self.served = served
         return proof
+
+    async def resume(self, tries: int = 3) -> bool:
+        """Resume a paused server after a failed step (best effort); True once it says it is not paused.
+
+        A failed collective_rpc ends in an exception in vLLM's ASGI app, and uvicorn then drops the connection:
+        the next request sent on it fails with a bare ReadError, so each try goes on a fresh connection."""
+        for attempt in range(1, tries + 1):
+            try:
+                await self.call(Call("POST", "/resume"))
+                if not (await self.call(Call("GET", "/is_sleeping")))["is_sleeping"]:
+                    return True
+                problem = "still paused"
+            except (WorkerError, httpx.HTTPError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            log.warning("%s: resume after a failed update, try %d of %d: %s", self.url, attempt, tries, problem)
+        return False
 
     async def version(self) -> str:
         return (await self.call(Call("GET", "/weight_info")))["weight_version"]

@@ -1,14 +1,22 @@
-"""The pure parts of the vLLM weight sync: the plan, the checksum proof, and the version gate of `engine vllm`.
+"""The pure parts of the vLLM weight sync: the plan, the checksum proof, the version gate of `engine vllm`, its
+held checkpoints and its vLLM child's end.
 What they do against the real server is tested in tests/vllm/."""
 
 import asyncio
 import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from forge_stream.engine.vllm_engine import VersionGate, probe_ids
+from forge_stream.engine.vllm_engine import VersionGate, hold_checkpoint, probe_ids
 from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
                                            load_plan, prove)
 
@@ -84,3 +92,75 @@ def test_the_gate_labels_requests_and_updates_only_between_them():
 def test_the_probe_spreads_over_the_vocabulary():
     ids = probe_ids(980)
     assert len(ids) == 48 and len(set(ids)) > 40 and max(ids) < 980 and probe_ids(980) == ids
+
+
+def test_a_held_checkpoint_outlives_the_trainers_rotation(tmp_path):
+    checkpoint, holds = tmp_path / "checkpoints" / "v000007-ab12cd34", tmp_path / "held"
+    checkpoint.mkdir(parents=True)
+    holds.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    (checkpoint / "config.json").write_text("{}")
+    held = hold_checkpoint(str(checkpoint), holds, 7)
+    assert held.parent == holds and held.name.startswith("v000007-")
+    assert (held / "model.safetensors").stat().st_ino == (checkpoint / "model.safetensors").stat().st_ino  # linked
+    shutil.rmtree(checkpoint)  # the trainer keeps only its newest few
+    assert (held / "model.safetensors").read_bytes() == b"weights" and (held / "config.json").read_text() == "{}"
+    with pytest.raises(OSError, match="cannot hold"):
+        hold_checkpoint(str(checkpoint), holds, 8)
+    assert [p.name for p in holds.iterdir()] == [held.name]  # a failed hold leaves nothing behind
+
+
+def test_the_vllm_child_ends_with_its_front(tmp_path):
+    """vLLM runs in a session of its own; killed however, its front must not leave it running."""
+    pid_file = tmp_path / "child.pid"
+    front = subprocess.Popen([sys.executable, "-c", (
+        "import sys, subprocess, time\n"
+        "from forge_stream.proc import start_process\n"
+        "from forge_stream.engine.vllm_engine import _end_with_parent\n"
+        "child = start_process([sys.executable, '-c', 'import time; time.sleep(120)'], new_session=True,"
+        " preexec_fn=_end_with_parent)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n")])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and front.poll() is None
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert os.getpgid(child) == child  # out of reach of a signal to the front's group
+    front.send_signal(signal.SIGKILL)
+    front.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"pid {child} outlived its killed front"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended (init reaps it)
+
+
+def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_path):
+    """`_exit` (a version that cannot be loaded back): vLLM stopped, then the process gone with exit code 3 for its
+    supervisor to restart, not a graceful shutdown waiting on requests held at a closed gate."""
+    pid_file = tmp_path / "child.pid"
+    front = subprocess.run([sys.executable, "-c", (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from forge_stream.proc import start_process\n"
+        "from forge_stream.engine import vllm_engine as ve\n"
+        "child = start_process([sys.executable, '-c', 'import time; time.sleep(120)'], new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"holds = Path({str(tmp_path / 'held')!r}); holds.mkdir()\n"
+        "state = ve.EngineState(settings=None, gate=ve.VersionGate(4), holds=holds, proc=child)\n"
+        "async def main():\n"
+        "    await state.gate.enter()  # a request held forever\n"
+        "    ve._exit(state, 'vLLM could not load version 4 back either')\n"
+        "asyncio.run(main())\n"
+        "print('still running')\n")], capture_output=True, text=True, timeout=60)
+    assert front.returncode == 3, front.stdout + front.stderr
+    assert "still running" not in front.stdout and "starts afresh" in front.stderr
+    assert not _alive(int(pid_file.read_text())) and not (tmp_path / "held").exists()

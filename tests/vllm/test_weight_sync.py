@@ -5,9 +5,12 @@ weights), and no KV cached under old weights is reused after a reload."""
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import torch
@@ -123,3 +126,100 @@ def test_no_kv_cached_under_old_weights_is_reused(vllm_engine, vllm_gateway, che
     assert [r["policy_version"] for r in records][-1] == version
     expected = trainer_logprobs(checkpoints[0], records[-1:])[0]
     assert (torch.tensor(records[-1]["completion_logprobs"]) - expected).abs().max().item() < TOLERANCE
+
+
+def test_a_trainer_faster_than_the_reloads_leaves_the_engine_on_its_newest_version(vllm_engine, vllm_gateway,
+                                                                                  checkpoints, tmp_path, run_id):
+    """Versions published back to back, the trainer's rotation deleting all but the newest two folders right after
+    each (faster than a load: on SmolLM2 one takes 10-20 s), then one more whose folder is deleted as soon as the
+    engine has begun to load it. The engine must end on the newest version, proven, awake, never going backwards,
+    with nothing unproven announced."""
+    from forge_stream.trainer.service import rotate_checkpoints
+
+    before = vllm_engine.health()
+    log_start = len(vllm_engine.log.read_text())
+    producer = EventProducer(vllm_engine.bootstrap)
+    version = before["policy_version"]
+
+    def publish(source: Path) -> Path:
+        nonlocal version
+        version += 1
+        folder = tmp_path / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
+        shutil.copytree(source, folder)
+        producer.send_sync(TOPICS.policy, vllm_engine.run, {
+            "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version,
+            "step": version, "checkpoint_uri": str(folder), "base_model": str(folder)})
+        return folder
+
+    def served(v: int) -> dict:
+        deadline = time.monotonic() + 180
+        while (now := vllm_engine.health())["policy_version"] != v:
+            assert time.monotonic() < deadline, f"version {v} not served: {now}; see {vllm_engine.log}"
+            time.sleep(0.05)
+        return now
+
+    began = time.monotonic()
+    for i in range(12):
+        folder = publish(checkpoints[i % len(checkpoints)])
+        rotate_checkpoints(tmp_path, keep=2)
+    burst = time.monotonic() - began
+    now = served(version)
+    assert now["checkpoint"] == str(folder) and now["loads"] > before["loads"]
+
+    source = checkpoints[12 % len(checkpoints)]  # other weights than the burst's last
+    folder = publish(source)
+    weights = folder / "model.safetensors"
+    deadline = time.monotonic() + 60
+    while weights.stat().st_nlink < 2:  # the engine holds the files of the version it loads
+        assert time.monotonic() < deadline, "the engine did not hold the checkpoint it loads"
+        time.sleep(0.005)
+    shutil.rmtree(folder)  # rotated away mid-load
+    producer.close()
+    now = served(version)
+    assert now["checkpoint"] == str(folder) and now["probe_mismatch"] is not None and now["probe_mismatch"] < 1e-3
+
+    log = vllm_engine.log.read_text()[log_start:]
+    assert "was not proven" not in log and "starts afresh" not in log, log[-3000:]
+    loaded = [int(v) for v in re.findall(r"serving policy version (\d+) from", log)]
+    print(f"12 versions in {burst:.2f}s, then one rotated away mid-load: the engine loaded {loaded}; "
+          f"versions rotated away before it could hold them: {now['failed_loads'] - before['failed_loads']}")
+    assert loaded == sorted(loaded) and loaded[-1] == version  # never backwards, ends on the newest
+    session = open_session(vllm_gateway, run_id)  # it serves: awake, and under the version it announced
+    answer = httpx.post(session["base_url"] + "/completions", timeout=60, json={
+        "model": "m", "prompt": "Count with me:", "max_tokens": 8, "temperature": 1.0})
+    assert answer.status_code == 200, answer.text
+    record = _records(vllm_engine.bootstrap, {session["session_id"]})[-1]
+    assert record["policy_version"] == version
+    expected = trainer_logprobs(source, [record])[0]
+    assert (torch.tensor(record["completion_logprobs"]) - expected).abs().max().item() < TOLERANCE
+
+
+def test_a_reload_that_fails_inside_vllm_is_resumed_and_rolled_back(vllm_engine, checkpoints, tmp_path):
+    """The plan's failure path against the real server: a reload from a folder that vanished fails inside vLLM's
+    worker (it takes the path for a hub repo id), which leaves vLLM paused and breaks its HTTP connection; the
+    control resumes it on a fresh connection and loads the served weights back."""
+    from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+
+    port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", vllm_engine.log.read_text()).group(1)
+    url = f"http://127.0.0.1:{port}"
+    vllm_engine.push_version(checkpoints[1])
+    now = vllm_engine.health()
+
+    async def fail_then_roll_back():
+        async with httpx.AsyncClient(timeout=300) as client:
+            control = VllmControl(url, client)
+            gone = tmp_path / "rotated-away"
+            try:
+                await control.load(str(gone), now["policy_version"] + 1)
+            except WorkerError as exc:
+                failure = str(exc)
+            else:
+                raise AssertionError("a reload from a missing folder was proven")
+            sleeping = (await client.get(url + "/is_sleeping")).json()["is_sleeping"]
+            proof = await control.load(now["checkpoint"], now["policy_version"])
+            return failure, sleeping, proof, await control.version()
+
+    failure, sleeping, proof, served = asyncio.run(fail_then_roll_back())
+    assert "collective_rpc" in failure and "HTTP 500" in failure
+    assert sleeping is False  # resumed after the failed step
+    assert proof.matched > 0 and served == str(now["policy_version"])
