@@ -176,6 +176,24 @@ def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
     return held
 
 
+HOLDS_PREFIX = "engine-held-"  # + the engine's pid: the folders of held checkpoints in the cache directory
+
+
+def _remove_orphaned_holds(cache_dir: Path) -> None:
+    """Remove the held checkpoints of engines that are gone (killed before they could): their files would
+    otherwise outlive the trainer's rotation on disk."""
+    for folder in cache_dir.glob(f"{HOLDS_PREFIX}*"):
+        try:
+            os.kill(int(folder.name[len(HOLDS_PREFIX):].split("-", 1)[0]), 0)
+        except ValueError:
+            continue  # not named by an engine
+        except ProcessLookupError:
+            log.info("removing %s, left by an engine that is gone", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            continue  # alive, another user's
+
+
 @dataclass
 class EngineState:
     settings: VllmEngineSettings
@@ -259,7 +277,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.cache_dir.mkdir(parents=True, exist_ok=True)
-        state.holds = Path(tempfile.mkdtemp(prefix="engine-held-", dir=settings.cache_dir))
+        _remove_orphaned_holds(settings.cache_dir)
+        state.holds = Path(tempfile.mkdtemp(prefix=f"{HOLDS_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
         proc = state.proc = _start_vllm(settings)
         # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a
         # request sent on one it is closing fails (aiohttp keeps them 15 s by default)
@@ -385,7 +404,8 @@ async def _watch_process(state: EngineState, proc: subprocess.Popen) -> None:
 
 
 async def follow_policy(state: EngineState) -> None:
-    """Load each newer version of the run into vLLM (the history's newest first), until cancelled."""
+    """Load each newer version of the run into vLLM (the history's newest first), until cancelled. After a load
+    (seconds), the newest of all that was published meanwhile is next: the versions between are skipped."""
     settings = state.settings
     async with Follower(settings.bootstrap, TOPICS.policy, settings.policy_run) as policy:
         pending = await policy.backlog()
@@ -393,7 +413,7 @@ async def follow_policy(state: EngineState) -> None:
             target = newest(pending, state.gate.version, state.checkpoint)
             if target is not None:
                 await load_version(state, target["checkpoint_uri"], target["version"])
-            pending = await policy.next()
+            pending = await policy.caught_up() or await policy.next()
 
 
 async def load_version(state: EngineState, checkpoint: str, version: int) -> bool:
@@ -414,8 +434,9 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
         log.warning("cannot read policy version %s at %s (%s); still serving version %s", version, checkpoint, exc,
                     state.gate.version)
         return False
+    closing = time.monotonic()  # from here new requests wait: first for those in flight to end, then for the load
     await state.gate.close()
-    held_at = time.monotonic()
+    drained = time.monotonic()
     try:
         proof = await state.control.load(str(held), version)
         mismatch = await _probe(state, ids, expected) if expected is not None else None
@@ -436,11 +457,12 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     state.loads, state.last_mismatch = state.loads + 1, mismatch
     state.gate.reopen(version)
     log.info("serving policy version %s from %s: %d checksums equal the checkpoint's, %d of %d fused changed, probe "
-             "log-probs within %s of transformers', prefix cache reset%s; requests held %.2fs (%.2fs in all)",
+             "log-probs within %s of transformers', prefix cache reset%s; new requests held %.2fs (%.2fs waiting for "
+             "those in flight, %.2fs loading), %.2fs in all",
              version, checkpoint, proof.matched, proof.fused_changed, proof.fused,
              f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
-             " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - held_at,
-             time.monotonic() - began)
+             " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - closing,
+             drained - closing, time.monotonic() - drained, time.monotonic() - began)
     return True
 
 

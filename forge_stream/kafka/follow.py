@@ -5,7 +5,8 @@ forge.policy, so that each of them sees every record.
 `Follower` starts once Kafka answers, retrying while it does not (the caller serves on meanwhile). It hands over
 the decoded records carrying one key (the training run), poll by poll (`next`), or the whole history up to the end
 offsets the partitions have now as one batch (`backlog`). An undecodable record is logged and passed over. While
-Kafka is away polls come back empty, and aiokafka reconnects.
+Kafka is away polls come back empty, and aiokafka reconnects. `caught_up` hands over everything from the current
+position to the end offsets of now (what arrived while the caller was busy).
 """
 
 from __future__ import annotations
@@ -68,8 +69,14 @@ class Follower:
         consumer = self._consumer
         while not consumer.assignment():
             await consumer.getmany(timeout_ms=50)
-        ends = await consumer.end_offsets(list(consumer.assignment()))
         await consumer.seek_to_beginning()
+        return await self.caught_up()
+
+    async def caught_up(self) -> list[dict]:
+        """The records with the key from where this follower is up to the end offsets the partitions have now: all
+        that came while the caller was busy, however many polls that takes (one `next` may bring only part)."""
+        consumer = self._consumer
+        ends = await consumer.end_offsets(list(consumer.assignment()))
         records = []
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             records += await self.next()

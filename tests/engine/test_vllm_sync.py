@@ -164,3 +164,16 @@ def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_p
     assert front.returncode == 3, front.stdout + front.stderr
     assert "still running" not in front.stdout and "starts afresh" in front.stderr
     assert not _alive(int(pid_file.read_text())) and not (tmp_path / "held").exists()
+
+
+def test_holds_of_engines_that_are_gone_are_removed_at_start(tmp_path):
+    from forge_stream.engine.vllm_engine import HOLDS_PREFIX, _remove_orphaned_holds
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live = tmp_path / f"{HOLDS_PREFIX}{gone.pid}-x1", tmp_path / f"{HOLDS_PREFIX}{os.getpid()}-x2"
+    other = tmp_path / f"{HOLDS_PREFIX}notes"
+    for folder in (stale, live, other):
+        (folder / "v000003-aa").mkdir(parents=True)
+    _remove_orphaned_holds(tmp_path)
+    assert not stale.exists() and live.exists() and other.exists()
