@@ -268,7 +268,7 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
             opts.get("gateway_url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}"),
             "--bootstrap-servers", settings.bootstrap]
     for name in ("name", "concurrency", "group_size", "agent_workers", "agent_per_worker", "agent_timeout",
-                 "attempt", "max_groups"):
+                 "attempt", "max_groups", "replay_edge"):
         if name in opts:
             args += [f"--{name.replace('_', '-')}", str(opts[name])]
     if opts.get("loop", True):

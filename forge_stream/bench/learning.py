@@ -44,6 +44,7 @@ from forge_stream.bench.intervals import paired_bootstrap
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.rollout.recovery import CONTROLLER_KEY
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
 from forge_stream.topics import TOPICS
@@ -66,6 +67,7 @@ class LearningSettings:
     advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
+    replay_edge: float = 0.0  # share of groups re-running a task whose group had a signal (rollout controller)
     concurrency: int = 64  # sessions in flight
     agent_workers: int = 2
     test_tasks: int = 600  # +-0.040 at a mean of 0.5 (module docstring)
@@ -85,12 +87,17 @@ class LearningSettings:
     home: Path | None = None  # default: a fresh temporary directory, removed afterwards
     plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
     model: str | None = None  # a pretrained model (directory or known name) to start from instead of a warm start
+    eval_split: str = "test"  # "validation" to choose settings: the test split is for reporting only
+
+    def __post_init__(self):
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"the evaluation split is test or validation, not {self.eval_split!r}")
 
     @property
     def test_source(self) -> str:
-        """The evaluation's tasks: the suite's test split, the same whatever the mix for the tiny model; of the
-        mix's families for a pretrained model."""
-        return f"suite:test?mix={self.mix}" if self.model else "suite:test"
+        """The evaluation's tasks: the suite's test split (or validation, to choose settings), the same whatever
+        the mix for the tiny model; of the mix's families for a pretrained model."""
+        return f"suite:{self.eval_split}?mix={self.mix}" if self.model else f"suite:{self.eval_split}"
 
     def training_source(self, seed: int) -> str:
         """Seed `seed`'s RL stream. It starts past the tasks the seed's warm start was shown (`sft --examples N` on
@@ -128,6 +135,12 @@ def _train_steps(bootstrap: str, run: str) -> list[dict]:
     steps = {e.record["event_id"]: e.record for e in read_slice(bootstrap, TOPICS.train_metrics, Slice())
              if e.key == run}
     return sorted(steps.values(), key=lambda r: r["step"])
+
+
+def _submitted_groups(bootstrap: str, run: str) -> list[dict]:
+    """The Task records the bench's controller (named after the run) published."""
+    return [e.record for e in read_slice(bootstrap, TOPICS.tasks, Slice())
+            if e.record["metadata"].get(CONTROLLER_KEY) == run]
 
 
 def _first_rollout_ms(bootstrap: str, since_ms: int) -> int | None:
@@ -278,10 +291,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         evaluate = ("eval", "--tasks", s.test_source, "--limit", str(s.test_tasks), "--agent", AGENT,
                     "--agent-workers", str(s.agent_workers), "--concurrency", str(s.concurrency), "--run", run_id,
                     "--gateway-url", gateway_url, "--bootstrap-servers", cfg.bootstrap)
-        progress(f"{tag} [2/5] test evaluation of the warm start ({s.test_tasks} tasks)")
+        progress(f"{tag} [2/5] {s.eval_split} evaluation of the warm start ({s.test_tasks} tasks)")
         baseline = _cli(*evaluate, env=env)
-        progress(f"{tag}   test reward {_describe(baseline)}")
-        reason = check_band(f"seed {seed}'s warm start: test reward", _overall(baseline)["mean"], s.band)
+        progress(f"{tag}   {s.eval_split} reward {_describe(baseline)}")
+        reason = check_band(f"seed {seed}'s warm start: {s.eval_split} reward", _overall(baseline)["mean"], s.band)
         if reason and not s.allow_outside_band:
             raise OutsideBand(reason, {"refused": reason, "seed": seed, "warm_start": warm, "band": list(s.band),
                                        "baseline_reward": _overall(baseline)["mean"]})
@@ -296,7 +309,8 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         controller = controller_service(cfg, {
             "tasks": s.training_source(seed), "agent": AGENT, "agent_workers": s.agent_workers,
             "agent_per_worker": -(-s.concurrency // s.agent_workers), "concurrency": s.concurrency,
-            "group_size": s.group_size, "name": run_id, "loop": True})
+            "group_size": s.group_size, "name": run_id, "loop": True,
+            **({"replay_edge": s.replay_edge} if s.replay_edge else {})})
         # the gateway `up` started takes sessions opened with the deployment's admin token only
         supervisor.start(replace(controller, env={**controller.env,
                                                   **credentials_env("controller", credentials.load(cfg.home))}))
@@ -322,9 +336,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             raise EngineGone(f"{tag} the engine at {engine_url} did not answer for {SERVE_WAIT_S:.0f} s after RL "
                              f"stopped, so the trained policy cannot be evaluated: read "
                              f"{cfg.run_dir / 'engine.log'}")
-        progress(f"{tag} [5/5] test evaluation of policy v{served}")
+        progress(f"{tag} [5/5] {s.eval_split} evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
-        progress(f"{tag}   test reward {_describe(final)}")
+        progress(f"{tag}   {s.eval_split} reward {_describe(final)}")
         steps = _train_steps(cfg.bootstrap, run_id)
         if not steps:
             raise NothingTrained(f"{tag} no training step in {s.rl_minutes:g} minutes of RL, so there is no gain "
@@ -340,7 +354,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                         f"forge-stream bench learning, seed {seed} ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
         summary = _summary(s, seed, warm, baseline, final, steps, rl_minutes, served)
         rollouts = summary["rollouts_trained"]
-        return {**summary, "engine": s.engine,
+        submitted = _submitted_groups(cfg.bootstrap, run_id)
+        return {**summary, "engine": s.engine, "groups_submitted": len(submitted),
+                "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),
                 "rollouts_per_minute": round(rollouts / rl_minutes, 1) if rl_minutes > 0 else None,
                 "rl_cpu_seconds": cpu,
                 "cpu_ms_per_rollout": {name: round(1000 * sec / rollouts, 1) for name, sec in cpu.items()}
@@ -460,9 +476,10 @@ def summarize(s: LearningSettings, seeds: list[dict], seconds: float) -> dict:
     return {
         "baseline_reward": mean("baseline_reward"), "final_reward": mean("final_reward"),
         "improvement": mean("improvement"), "improvement_ci95": [ci["low"], ci["high"]],
-        "interval": f"95%, paired bootstrap over {len(tasks)} test tasks and {len(seeds)} seeds "
+        "interval": f"95%, paired bootstrap over {len(tasks)} {s.eval_split} tasks and {len(seeds)} seeds "
                     f"({ci['replicates']} replicates)",
         "rl_minutes": max(r["rl_minutes"] for r in seeds), "loss": s.loss, "test_tasks": len(tasks),
+        "eval_split": s.eval_split,
         "band": list(s.band), "seeds": seeds, "seconds_total": round(seconds, 1),
         "settings": {k: str(v) for k, v in asdict(s).items()},
     }

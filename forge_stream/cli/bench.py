@@ -229,9 +229,13 @@ def learning(
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
     advantage_scale: str = typer.Option("none", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
+    replay_edge: float = typer.Option(0.0, help="Share of the training groups that re-run a recent task whose "
+                                                "group's rewards differed (rollout run --replay-edge); 0: off."),
     concurrency: int = typer.Option(64, help="Sessions in flight."),
     test_tasks: int = typer.Option(600, help="Test-split tasks per evaluation, the same for every seed (600: a 95% "
                                              "interval of +-0.04 on one evaluation at a mean of 0.5)."),
+    eval_split: str = typer.Option("test", help="Evaluate on test (to report) or validation (to choose settings: "
+                                                "the test split stays untouched)."),
     mix: Optional[str] = typer.Option(None, help="Domain weights of the training tasks (default: "
                                                  "reasoning=1,agent=1,lookup=1; with --model, mental=1, which the "
                                                  "test evaluation then uses too)."),
@@ -269,9 +273,16 @@ def learning(
     if engine_kind not in ("torch", "vllm"):
         typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)
         raise typer.Exit(2)
+    if eval_split not in ("test", "validation"):
+        typer.echo(f"--eval-split takes test or validation, not {eval_split!r}", err=True)
+        raise typer.Exit(2)
+    if not 0.0 <= replay_edge < 1.0:
+        typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
+        raise typer.Exit(2)
     settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
+                                replay_edge=replay_edge, eval_split=eval_split,
                                 concurrency=concurrency, test_tasks=test_tasks, mix=mix, sft_max_steps=sft_max_steps,
                                 sft_target=sft_target,
                                 sft_family_target=None if sft_family_target < 0 else sft_family_target,

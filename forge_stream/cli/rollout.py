@@ -71,6 +71,8 @@ def run(
     attempt: int = typer.Option(0, help="First cycle number: roll the same tasks out again as new groups."),
     loop: bool = typer.Option(False, "--loop", help="Start the source over (next cycle) until stopped."),
     max_groups: Optional[int] = typer.Option(None, help="Stop after this many groups."),
+    replay_edge: float = typer.Option(0.0, help="Share of groups that re-run a recent task whose group's rewards "
+                                                "differed (the only groups that carry a gradient); 0: off."),
     agent_timeout: float = typer.Option(600.0, help="Seconds before an episode fails (session status error)."),
     admin_token: Optional[str] = AdminTokenOption,
     report_every: float = typer.Option(30.0, help="Without a terminal (a service's log, a pipe): log the groups, "
@@ -89,8 +91,13 @@ def run(
     ready_kafka(cfg)
     if group_size is not None:
         source = ResizedTasks(source, group_size)
-    rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
-                              deployment_token(admin_token, cfg), concurrency, attempt, loop, max_groups)
+    try:
+        rollout = RolloutSettings(gateway_url or f"http://127.0.0.1:{cfg.gateway_port}", cfg.bootstrap, name,
+                                  deployment_token(admin_token, cfg), concurrency, attempt, loop, max_groups,
+                                  replay_edge=replay_edge)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
     reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
     if reports:
@@ -130,5 +137,6 @@ def run(
     typer.echo(json.dumps(result) if as_json else
                f"{result['groups']} groups, {result['sessions']} sessions ({result['failed_sessions']} failed, "
                f"{result['failed_groups']} groups not submitted, {result['skipped_groups']} already submitted, "
-               f"{result['recovered_sessions']} left open by an earlier run closed), "
+               f"{result['recovered_sessions']} left open by an earlier run closed, {result['replayed_groups']} "
+               f"replayed at the edge), "
                f"mean reward {result['mean_reward']}")

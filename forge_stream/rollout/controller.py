@@ -11,6 +11,14 @@ cycle number), until `stop` is set; then it takes no new group and lets the sess
 - Restart safe: group ids and Task event ids derive from (controller name, cycle, position in the source,
   task_id). On start the controller reads back the Tasks it published (`recovery`), skips them, keeps `seq`
   increasing, and finishes the sessions the previous run left open as "error" ("rollout controller restarted").
+- Rollouts where they teach (`replay_edge`, off by default): a group whose rewards differ is the only kind that
+  carries a gradient (GRPO-style advantages are zero in a group scored alike), and on the shipped suite tasks are
+  nearly always solved or nearly never, so most groups carry none. With `replay_edge` = r, before each task of the
+  source the controller re-runs, with probability r (again and again: about a share r of all groups), the most
+  recent task at the edge (its last group's rewards differed) as a new group (prioritized level replay, Jiang et
+  al. 2021). A replayed group is tagged `replay_of` (the group it follows) in its Task metadata; its position is
+  `edge:<that group's id>`, so its ids are deterministic too. The edge queue lives in memory: a restart starts it
+  empty.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -49,6 +58,12 @@ class RolloutSettings:
     loop: bool = False  # start the source over (next cycle) when it ends, until stopped
     max_groups: int | None = None  # stop taking groups after this many (this run)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    replay_edge: float = 0.0  # share of groups that re-run a recent task whose group's rewards differed
+    edge_capacity: int = 256  # tasks at the edge kept for replay (the most recent)
+
+    def __post_init__(self):
+        if not 0.0 <= self.replay_edge < 1.0:
+            raise ValueError(f"replay_edge is a share of the groups, at least 0 and below 1, not {self.replay_edge}")
 
 
 class SequenceClock:
@@ -155,8 +170,10 @@ class RolloutController:
         self.clock = SequenceClock()
         self.counts: Counter = Counter()
         self.rewarded = Mean()  # the outcome rewards of this run (a sum and a count: `loop` runs for days)
+        self.edge: deque[tuple[TaskSpec, str]] = deque(maxlen=settings.edge_capacity)  # (task, its group's id)
+        self.rng = random.Random(f"{settings.name}:{settings.attempt}")
 
-    def ids(self, cycle: int, position: int, task: TaskSpec) -> GroupIds:
+    def ids(self, cycle: int, position: int | str, task: TaskSpec) -> GroupIds:
         identity = (self.settings.name, cycle, position, task.task_id)
         return GroupIds(deterministic_id("group", *identity), deterministic_id("task", *identity))
 
@@ -173,18 +190,19 @@ class RolloutController:
                 log.warning("could not close session %s left open by an earlier run: %s", session_id, exc)
         return set(published.tasks)
 
-    async def _submit(self, task: TaskSpec, cycle: int, position: int, ids: GroupIds) -> None:
+    async def _submit(self, task: TaskSpec, cycle: int, position: int | str, ids: GroupIds,
+                      replay_of: str | None = None) -> None:
         """Publish the Task event (acknowledged by Kafka) that puts the group in the training queue."""
         metadata = {**task.metadata, CONTROLLER_KEY: self.settings.name, "cycle": str(cycle),
-                    "position": str(position)}
+                    "position": str(position), **({"replay_of": replay_of} if replay_of else {})}
         record = {"event_id": ids.event_id, "event_time": now_ms(), "task_id": task.task_id,
                   "group_id": ids.group_id, "seq": self.clock.next(), "domain": task.domain, "grader": task.grader,
                   "group_size": task.group_size, "prompt_json": json.dumps(task.prompt), "metadata": metadata,
                   "reference_json": json.dumps(task.reference)}
         await self.producer.send(TOPICS.tasks, ids.group_id, record)
 
-    async def _group(self, task: TaskSpec, cycle: int, position: int, ids: GroupIds, slots: int,
-                     progress: Callable | None) -> None:
+    async def _group(self, task: TaskSpec, cycle: int, position: int | str, ids: GroupIds, slots: int,
+                     progress: Callable | None, replay_of: str | None = None) -> None:
         released = 0
 
         async def release() -> None:
@@ -202,7 +220,7 @@ class RolloutController:
                 await release()
 
         try:
-            await self._submit(task, cycle, position, ids)
+            await self._submit(task, cycle, position, ids, replay_of)
         except Exception as exc:  # Kafka did not take the Task: this group fails, the run goes on
             log.error("task %s was not submitted: %s", task.task_id, exc)
             self.counts["failed_groups"] += 1
@@ -213,6 +231,10 @@ class RolloutController:
         self.counts["sessions"] += len(outcomes)
         self.counts["failed_sessions"] += sum(not o.ok for o in outcomes)
         self.rewarded.add(o.reward for o in outcomes if o.reward is not None)
+        self.counts["replayed_groups"] += replay_of is not None
+        if self.settings.replay_edge and all(o.ok for o in outcomes) and len({o.reward for o in outcomes}) > 1:
+            self.edge.append((task, ids.group_id))
+            self.counts["edge_groups"] += 1
         for failed in (o for o in outcomes if not o.ok):
             log.warning("session %s of task %s failed: %s", failed.session_id, task.task_id, failed.reason)
         if progress:
@@ -227,6 +249,23 @@ class RolloutController:
         take.cancel()
         return 0
 
+    async def _start(self, task: TaskSpec, cycle: int, position: int | str, ids: GroupIds, stopped: asyncio.Future,
+                     running: set, progress: Callable | None, replay_of: str | None = None) -> bool:
+        """Take the group's slots and start it; False if `stop` came first."""
+        slots = await self._take(task.group_size, stopped)
+        if not slots:
+            return False
+        job = asyncio.create_task(self._group(task, cycle, position, ids, slots, progress, replay_of))
+        running.add(job)
+        job.add_done_callback(running.discard)
+        return True
+
+    def _replay(self) -> tuple[TaskSpec, str] | None:
+        """The most recent task at the edge, with probability `replay_edge` (None otherwise, or with none)."""
+        if self.edge and self.rng.random() < self.settings.replay_edge:
+            return self.edge.pop()
+        return None
+
     async def run(self, source: Iterable[TaskSpec], stop: asyncio.Event | None = None,
                   progress: Callable[[str, list[SessionOutcome]], None] | None = None) -> dict:
         """Roll out the source (again each cycle with `loop`) until it ends, `max_groups`, or `stop`."""
@@ -235,24 +274,34 @@ class RolloutController:
         running: set[asyncio.Task] = set()
         published = await self.recover()
         cycle, taken = self.settings.attempt, 0
+
+        def full() -> bool:
+            return stop.is_set() or taken == self.settings.max_groups
+
         try:
             while not stop.is_set():
                 seen = 0
                 for position, task in enumerate(source):
                     seen += 1
-                    if stop.is_set() or taken == self.settings.max_groups:
+                    while not full() and (replay := self._replay()) is not None:
+                        task_again, origin = replay
+                        edge = f"edge:{origin}"
+                        ids = self.ids(cycle, edge, task_again)
+                        if ids.event_id in published:
+                            self.counts["skipped_groups"] += 1
+                            continue
+                        if not await self._start(task_again, cycle, edge, ids, stopped, running, progress, origin):
+                            break
+                        taken += 1
+                    if full():
                         break
                     ids = self.ids(cycle, position, task)
                     if ids.event_id in published:
                         self.counts["skipped_groups"] += 1
                         continue
-                    slots = await self._take(task.group_size, stopped)
-                    if not slots:
+                    if not await self._start(task, cycle, position, ids, stopped, running, progress):
                         break
                     taken += 1
-                    job = asyncio.create_task(self._group(task, cycle, position, ids, slots, progress))
-                    running.add(job)
-                    job.add_done_callback(running.discard)
                 if not self.settings.loop or not seen or taken == self.settings.max_groups:
                     break
                 cycle += 1
@@ -262,6 +311,7 @@ class RolloutController:
             stopped.cancel()
             await self.client.aclose()
         return {**{k: self.counts[k] for k in ("groups", "sessions", "failed_sessions", "failed_groups",
-                                                "skipped_groups", "recovered_sessions")},
+                                                "skipped_groups", "recovered_sessions", "replayed_groups",
+                                                "edge_groups")},
                 "cycles": cycle - self.settings.attempt + 1,
                 "mean_reward": self.rewarded.value}

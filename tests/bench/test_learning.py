@@ -155,6 +155,26 @@ def test_default_test_tasks_give_plus_minus_0_04():
     assert tasks_for_half_width(0.035) > learning.LearningSettings.test_tasks  # not far more than needed
 
 
+def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp_path):
+    """--eval-split validation evaluates on the validation split (the test split stays untouched while choosing
+    settings); --replay-edge goes to the bench's rollout controller; bad values are refused before anything runs."""
+    from forge_stream.deploy import controller_service
+    from forge_stream.settings import ForgeSettings
+
+    assert learning.LearningSettings(eval_split="validation").test_source == "suite:validation"
+    assert learning.LearningSettings(eval_split="validation", model="m", mix="mental=1").test_source == \
+        "suite:validation?mix=mental=1"
+    with pytest.raises(ValueError, match="test or validation"):
+        learning.LearningSettings(eval_split="train")
+    argv = controller_service(ForgeSettings(home=tmp_path), {"agent": "a", "replay_edge": 0.5}).argv
+    assert argv[argv.index("--replay-edge") + 1] == "0.5"
+    assert "--replay-edge" not in controller_service(ForgeSettings(home=tmp_path), {"agent": "a"}).argv
+    for bad, says in ((["--eval-split", "train"], "--eval-split takes test or validation"),
+                      (["--replay-edge", "1"], "--replay-edge is a share")):
+        result = CliRunner().invoke(app, ["bench", "learning", *bad, "--home", str(tmp_path / "h")])
+        assert result.exit_code == 2 and says in result.output, result.output
+
+
 def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     """The whole protocol, twice, with tiny budgets: every key of the result, both evaluations of a seed on the same
     test tasks (the same for both seeds), the seeds' own warm starts, and rl_minutes within the RL phase."""
@@ -162,7 +182,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     out = subprocess.run([sys.executable, "-m", "forge_stream", "bench", "learning", "--seeds", "2", "--seed", "5",
                           "--rl-minutes", "0.5", "--test-tasks", "6", "--sft-max-steps", "10", "--sft-examples", "32",
                           "--allow-outside-band", "--batch-size", "2", "--group-size", "2", "--concurrency", "8",
-                          "--home", str(tmp_path / "home"), "--json"],
+                          "--replay-edge", "0.5", "--home", str(tmp_path / "home"), "--json"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -182,5 +202,6 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert run["warm_start"]["steps"] == 10 and not run["warm_start"]["reached"]
         assert 0 < run["rl_minutes"] < 3
         assert run["steps"] >= 1 and run["groups_trained"] >= 2  # the controller's sessions reached the gateway
+        assert 0 <= run["groups_replayed"] < run["groups_submitted"] and run["groups_submitted"] >= 2
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()

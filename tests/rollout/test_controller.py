@@ -205,3 +205,41 @@ def test_progress_log_lines():
 
     result = doctest.testmod(controller)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_replay_edge_reruns_tasks_whose_groups_had_a_signal(kafka_bootstrap, gateway, run_id):
+    """Tasks t0, t2, ... are at the edge (their agents answer right every other time), the others always solved:
+    with replay_edge, edge tasks come back as new groups tagged with the group they follow; solved ones never do."""
+    calls: dict[str, int] = {}
+
+    async def agent(ctx):
+        await asyncio.sleep(0.05)
+        task = ctx.task["name"]
+        calls[task] = calls.get(task, 0) + 1
+        return "42" if int(task[1:]) % 2 or calls[task] % 2 else "7"
+
+    source = [TaskSpec(f"{run_id}-t{i}", {"answer": "42", "name": f"t{i}"}, "agent", "numeric", 2)
+              for i in range(16)]
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST, replay_edge=0.5)
+    result = run_controller(settings, callable_agent(agent), source)
+    published = read_events(kafka_bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == run_id)
+    replays = [t for t in published if "replay_of" in t["metadata"]]
+    assert result["groups"] == len(published) == 16 + len(replays) and result["replayed_groups"] == len(replays) > 0
+    assert result["edge_groups"] >= 8  # every group of an edge task had a signal
+    by_group = {t["group_id"]: t for t in published}
+    for t in replays:
+        origin = by_group[t["metadata"]["replay_of"]]  # a group published before it, of the same task
+        assert origin["task_id"] == t["task_id"] and origin["seq"] < t["seq"]
+        assert int(t["task_id"].rsplit("-t", 1)[1]) % 2 == 0  # only edge tasks come back
+        assert t["metadata"]["position"] == f"edge:{origin['group_id']}"
+    assert len(by_group) == len(published)  # new group ids
+
+
+def test_replay_edge_must_be_a_share():
+    for bad in (-0.1, 1.0):
+        try:
+            RolloutSettings("http://gateway", "kafka:9092", replay_edge=bad)
+        except ValueError as exc:
+            assert "replay_edge" in str(exc)
+        else:
+            raise AssertionError(f"replay_edge={bad} was accepted")
