@@ -18,6 +18,9 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   away meanwhile): each load starts from the newest version published, and the engine first holds the checkpoint
   it loads, hard links to its files (a copy across file systems) in a folder of its own, kept while vLLM serves
   it, so that neither the reload nor a roll-back to it can find its files gone.
+- **A version with the served weights is only renamed.** A trainer step whose batch had no signal changes no weight
+  but still publishes a version; one whose weight files are byte for byte the served ones is announced without a
+  drain or a reload (on SmolLM2 a load costs seconds of held requests; most steps of a small batch carry no signal).
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
 - **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
   token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -51,7 +55,7 @@ from starlette.background import BackgroundTask
 from forge_stream.credentials import ENGINE_ENV, RequireBearer, refuse_open_bind
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
-from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+from forge_stream.engine.vllm_sync import Call, VllmControl, WorkerError
 from forge_stream.kafka.follow import Follower
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
@@ -176,6 +180,21 @@ def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
     return held
 
 
+def weights_fingerprint(model_dir: str | Path) -> str | None:
+    """sha256 over the bytes of the folder's *.safetensors files (in name order); None without any. safetensors
+    writes the same tensors to the same bytes, so equal fingerprints are equal weights."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 HOLDS_PREFIX = "engine-held-"  # + the engine's pid: the folders of held checkpoints in the cache directory
 
 
@@ -207,6 +226,8 @@ class EngineState:
     ready: bool = False
     loads: int = 0
     failed_loads: int = 0
+    renamed: int = 0  # versions announced without a reload: their weights were the served ones
+    fingerprint: str | None = None  # of the served weights (weights_fingerprint), once computed
     last_mismatch: float | None = None
 
     @property
@@ -320,7 +341,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
             return JSONResponse({"status": "starting", "model": settings.name}, status_code=503)
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
-                "loads": state.loads, "failed_loads": state.failed_loads, "probe_mismatch": state.last_mismatch}
+                "loads": state.loads, "failed_loads": state.failed_loads, "renamed_versions": state.renamed,
+                "probe_mismatch": state.last_mismatch}
 
     if settings.token:
         app.add_middleware(RequireBearer, token=settings.token)
@@ -423,6 +445,9 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     held = None
     try:
         held = await asyncio.to_thread(hold_checkpoint, checkpoint, state.holds, version)
+        fingerprint = await asyncio.to_thread(weights_fingerprint, held)
+        if fingerprint is not None and fingerprint == await _served_fingerprint(state):
+            return await _rename(state, checkpoint, held, version, began)
         expected = None
         if settings.probe:
             ids = probe_ids(_vocab_size(str(held)))
@@ -453,7 +478,7 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
         return False
     if state.serving != settings.model:
         shutil.rmtree(state.serving, ignore_errors=True)
-    state.checkpoint, state.serving = checkpoint, str(held)
+    state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
     state.loads, state.last_mismatch = state.loads + 1, mismatch
     state.gate.reopen(version)
     log.info("serving policy version %s from %s: %d checksums equal the checkpoint's, %d of %d fused changed, probe "
@@ -463,6 +488,34 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
              f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
              " (LMCache's too)" if state.control.reset_external else "", time.monotonic() - closing,
              drained - closing, time.monotonic() - drained, time.monotonic() - began)
+    return True
+
+
+async def _served_fingerprint(state: EngineState) -> str | None:
+    """The served weights' fingerprint (weights_fingerprint), computed once for the start-up model."""
+    if state.fingerprint is None:
+        state.fingerprint = await asyncio.to_thread(weights_fingerprint, state.serving)
+    return state.fingerprint
+
+
+async def _rename(state: EngineState, checkpoint: str, held: Path, version: int, began: float) -> bool:
+    """Announce `version`, whose weights are the served ones, without a drain or a reload: the requests in flight
+    finish under the old version's name, new ones start under the new one (the same weights either way)."""
+    previous = state.gate.version
+    try:
+        await state.control.call(Call("POST", "/update_weight_version", body={"new_version": str(version)}))
+    except (WorkerError, httpx.HTTPError) as exc:
+        shutil.rmtree(held, ignore_errors=True)
+        state.failed_loads += 1
+        log.warning("could not name version %s in vLLM (%s); still serving version %s", version, exc, previous)
+        return False
+    if state.serving != state.settings.model:
+        shutil.rmtree(state.serving, ignore_errors=True)
+    state.checkpoint, state.serving, state.renamed = checkpoint, str(held), state.renamed + 1
+    state.gate.reopen(version)
+    log.info("serving policy version %s from %s: its weights are version %s's, byte for byte (a step that changed no "
+             "weight), so it is announced without a reload (%.2fs)", version, checkpoint, previous,
+             time.monotonic() - began)
     return True
 
 

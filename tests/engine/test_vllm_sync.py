@@ -177,3 +177,15 @@ def test_holds_of_engines_that_are_gone_are_removed_at_start(tmp_path):
         (folder / "v000003-aa").mkdir(parents=True)
     _remove_orphaned_holds(tmp_path)
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_the_weights_fingerprint_is_the_safetensors_bytes(tmp_path):
+    from forge_stream.engine.vllm_engine import weights_fingerprint
+
+    a, b, c = (tmp_path / n for n in "abc")
+    for folder, value in ((a, 1.0), (b, 1.0), (c, 2.0)):
+        folder.mkdir()
+        save_file({"w": torch.full((4, 4), value)}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(f'{{"note": "{folder.name}"}}')  # not weights: not fingerprinted
+    assert weights_fingerprint(a) == weights_fingerprint(b) != weights_fingerprint(c)
+    assert weights_fingerprint(tmp_path) is None  # no weight file: never taken for the served weights

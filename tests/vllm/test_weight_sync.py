@@ -128,6 +128,32 @@ def test_no_kv_cached_under_old_weights_is_reused(vllm_engine, vllm_gateway, che
     assert (torch.tensor(records[-1]["completion_logprobs"]) - expected).abs().max().item() < TOLERANCE
 
 
+def test_a_version_with_the_served_weights_is_announced_without_a_reload(vllm_engine, vllm_gateway, checkpoints,
+                                                                        tmp_path, run_id):
+    """A trainer step whose batch had no signal changes no weight but publishes a version: saved again by
+    transformers, its weight files are the served ones byte for byte, and the engine names it without a reload."""
+    from transformers import AutoModelForCausalLM
+
+    vllm_engine.push_version(checkpoints[1])
+    before = vllm_engine.health()
+    same = tmp_path / "v-no-signal"
+    shutil.copytree(checkpoints[1], same)
+    AutoModelForCausalLM.from_pretrained(checkpoints[1]).save_pretrained(same)  # as the trainer saves each version
+    version = vllm_engine.push_version(same)
+    now = vllm_engine.health()
+    assert now["checkpoint"] == str(same) and now["loads"] == before["loads"]
+    assert now["renamed_versions"] == before["renamed_versions"] + 1
+    assert f"serving policy version {version} from {same}: its weights are version" in vllm_engine.log.read_text()
+    session = open_session(vllm_gateway, run_id)
+    answer = httpx.post(session["base_url"] + "/completions", timeout=60, json={
+        "model": "m", "prompt": "Count with me:", "max_tokens": 8, "temperature": 1.0})
+    assert answer.status_code == 200, answer.text
+    record = _records(vllm_engine.bootstrap, {session["session_id"]})[-1]
+    assert record["policy_version"] == version
+    expected = trainer_logprobs(checkpoints[1], [record])[0]
+    assert (torch.tensor(record["completion_logprobs"]) - expected).abs().max().item() < TOLERANCE
+
+
 def test_a_trainer_faster_than_the_reloads_leaves_the_engine_on_its_newest_version(vllm_engine, vllm_gateway,
                                                                                   checkpoints, tmp_path, run_id):
     """Versions published back to back, the trainer's rotation deleting all but the newest two folders right after
