@@ -66,6 +66,28 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
+def alive(pid: int | None) -> bool:
+    """Whether process `pid` runs: not gone, not a zombie (ours is reaped), alive if another user's."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:  # a zombie child of ours counts as dead
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done != 0:
+            return False
+    except ChildProcessError:
+        pass
+    try:  # so does anyone's zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
 def start_process(argv: list[str], log: Log = None, *, new_session: bool = False, **popen) -> subprocess.Popen:
     """Spawn `argv`, stdout and stderr into `log` (a path is appended to); `popen` goes to subprocess.Popen."""
     if isinstance(log, Path):

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from forge_stream.proc import ProcessError, ProcessExited, exit_reason, log_tail, start_process, wait_healthy
+from forge_stream.proc import (ProcessError, ProcessExited, alive, exit_reason, log_tail, start_process,
+                               wait_healthy)
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
@@ -68,25 +69,6 @@ def _parent_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of ours counts as dead
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done != 0:
-            return False
-    except ChildProcessError:
-        pass
-    try:  # so does anyone's zombie
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return True
-
-
 def _restart_delay(quick_exits: int) -> float:
     return min(RESTART_CAP_S, RESTART_BASE_S * 2 ** max(0, quick_exits - 1))
 
@@ -115,14 +97,14 @@ def _end(pid: int, timeout: float) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout
-    while (_alive(pid) or _group(pid)) and time.monotonic() < deadline:
+    while (alive(pid) or _group(pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + 5.0  # SIGKILL is sent, not yet done: the kernel tears the processes down
-    while (_alive(pid) or _group(pid)) and time.monotonic() < deadline:
+    while (alive(pid) or _group(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -166,7 +148,7 @@ class Supervisor:
             pid = int(self.pid_file.read_text())
         except (FileNotFoundError, ValueError):
             return None
-        if not _alive(pid):
+        if not alive(pid):
             return None
         try:
             if b"forge_stream.services" not in Path(f"/proc/{pid}/cmdline").read_bytes() \
@@ -198,7 +180,7 @@ class Supervisor:
         timeout = spec.start_timeout_s if timeout is None else timeout
         with self.locked() as state:
             current = state.get(spec.name)
-            running = bool(current) and _alive(current.get("pid"))
+            running = bool(current) and alive(current.get("pid"))
             if not running:
                 state[spec.name] = {
                     "argv": spec.argv, "env": spec.env, "log": str(self.run_dir / f"{spec.name}.log"),
@@ -233,7 +215,7 @@ class Supervisor:
     def _wait_healthy(self, spec: ServiceSpec, pid: int, log: Path, timeout: float) -> None:
         def exited() -> str | None:
             entry = self._state().get(spec.name)
-            if entry is None or entry["pid"] != pid or not _alive(pid):
+            if entry is None or entry["pid"] != pid or not alive(pid):
                 return ((entry or {}).get("last_exit") or {"reason": "it exited"})["reason"]
             return None
 
@@ -250,7 +232,7 @@ class Supervisor:
         """Take `name` off the supervisor's list (so it is not restarted), then end it; whether it ran."""
         with self.locked() as state:
             entry = state.pop(name, None)
-        if entry is None or not _alive(entry.get("pid")):
+        if entry is None or not alive(entry.get("pid")):
             return False
         _end(entry["pid"], timeout)
         return True
@@ -275,7 +257,7 @@ class Supervisor:
         now = time.time()
         out = {}
         for name, entry in self._state().items():
-            running = _alive(entry["pid"])
+            running = alive(entry["pid"])
             crash_looping = entry["quick_exits"] >= CRASH_LOOP_EXITS and not (
                 running and now - entry["started"] >= QUICK_EXIT_S)
             if crash_looping:
@@ -339,7 +321,7 @@ def _tick(state: dict, children: dict[str, subprocess.Popen]) -> None:
                     continue
                 reason, code = exit_reason(proc.returncode), proc.returncode
                 del children[name]
-            elif _alive(pid):
+            elif alive(pid):
                 continue
             else:  # started by an earlier supervisor: only the parent learns how a process ended
                 reason, code = "ended (not a child of this supervisor, so its exit status is unknown)", None

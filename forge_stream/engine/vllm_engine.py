@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -54,6 +53,8 @@ from starlette.background import BackgroundTask
 
 from forge_stream.credentials import ENGINE_ENV, RequireBearer, refuse_open_bind
 from forge_stream.engine.policy_watch import newest
+from forge_stream.engine.vllm_holds import (HOLDS_PREFIX, hold_checkpoint, remove_orphaned_holds,
+                                            weights_fingerprint)
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import Call, VllmControl, WorkerError
 from forge_stream.kafka.follow import Follower
@@ -161,58 +162,6 @@ def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float
     return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
-def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
-    """A folder of this engine's own under `root` with the files of `checkpoint` (hard links, or copies where the
-    file system does not allow them): it stays whole whatever the trainer deletes. OSError if `checkpoint` is gone
-    or unreadable (nothing is left behind then)."""
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    held = Path(tempfile.mkdtemp(prefix=f"v{version:06d}-", dir=root))
-    try:
-        shutil.copytree(checkpoint, held, copy_function=link_or_copy, dirs_exist_ok=True)
-    except (OSError, shutil.Error) as exc:
-        shutil.rmtree(held, ignore_errors=True)
-        raise OSError(f"cannot hold {checkpoint}: {exc}") from exc
-    return held
-
-
-def weights_fingerprint(model_dir: str | Path) -> str | None:
-    """sha256 over the bytes of the folder's *.safetensors files (in name order); None without any. safetensors
-    writes the same tensors to the same bytes, so equal fingerprints are equal weights."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + b"\0")
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-HOLDS_PREFIX = "engine-held-"  # + the engine's pid: the folders of held checkpoints in the cache directory
-
-
-def _remove_orphaned_holds(cache_dir: Path) -> None:
-    """Remove the held checkpoints of engines that are gone (killed before they could): their files would
-    otherwise outlive the trainer's rotation on disk."""
-    for folder in cache_dir.glob(f"{HOLDS_PREFIX}*"):
-        try:
-            os.kill(int(folder.name[len(HOLDS_PREFIX):].split("-", 1)[0]), 0)
-        except ValueError:
-            continue  # not named by an engine
-        except ProcessLookupError:
-            log.info("removing %s, left by an engine that is gone", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:
-            continue  # alive, another user's
-
-
 @dataclass
 class EngineState:
     settings: VllmEngineSettings
@@ -298,7 +247,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.cache_dir.mkdir(parents=True, exist_ok=True)
-        _remove_orphaned_holds(settings.cache_dir)
+        remove_orphaned_holds(settings.cache_dir)
         state.holds = Path(tempfile.mkdtemp(prefix=f"{HOLDS_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
         proc = state.proc = _start_vllm(settings)
         # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a

@@ -11,7 +11,8 @@ import time
 import httpx
 
 from forge_stream.kafka.broker import free_port
-from forge_stream.services import ServiceSpec, Supervisor, _alive
+from forge_stream.proc import alive as _alive
+from forge_stream.services import ServiceSpec, Supervisor
 from helpers import until
 
 

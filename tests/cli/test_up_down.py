@@ -15,7 +15,8 @@ from forge_stream.kafka.admin import describe
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors.synthetic import group_events
-from forge_stream.services import Supervisor, _alive
+from forge_stream.proc import alive as _alive
+from forge_stream.services import Supervisor
 from forge_stream.topics import TOPICS
 
 from helpers import cli, read_events, until

@@ -10,15 +10,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from forge_stream.engine.vllm_engine import VersionGate, hold_checkpoint, probe_ids
+from forge_stream.engine.vllm_engine import VersionGate, probe_ids
+from forge_stream.engine.vllm_holds import (HOLDS_PREFIX, hold_checkpoint, remove_orphaned_holds,
+                                            weights_fingerprint)
 from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
                                            load_plan, prove)
+from forge_stream.proc import alive
 
 
 def _sha(tensor: torch.Tensor) -> str:
@@ -130,17 +132,10 @@ def test_the_vllm_child_ends_with_its_front(tmp_path):
     front.send_signal(signal.SIGKILL)
     front.wait()
     deadline = time.monotonic() + 10
-    while _alive(child):
+    while alive(child):
         assert time.monotonic() < deadline, f"pid {child} outlived its killed front"
         time.sleep(0.05)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie has ended (init reaps it)
 
 
 def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_path):
@@ -163,25 +158,21 @@ def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_p
         "print('still running')\n")], capture_output=True, text=True, timeout=60)
     assert front.returncode == 3, front.stdout + front.stderr
     assert "still running" not in front.stdout and "starts afresh" in front.stderr
-    assert not _alive(int(pid_file.read_text())) and not (tmp_path / "held").exists()
+    assert not alive(int(pid_file.read_text())) and not (tmp_path / "held").exists()
 
 
 def test_holds_of_engines_that_are_gone_are_removed_at_start(tmp_path):
-    from forge_stream.engine.vllm_engine import HOLDS_PREFIX, _remove_orphaned_holds
-
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     stale, live = tmp_path / f"{HOLDS_PREFIX}{gone.pid}-x1", tmp_path / f"{HOLDS_PREFIX}{os.getpid()}-x2"
     other = tmp_path / f"{HOLDS_PREFIX}notes"
     for folder in (stale, live, other):
         (folder / "v000003-aa").mkdir(parents=True)
-    _remove_orphaned_holds(tmp_path)
+    remove_orphaned_holds(tmp_path)
     assert not stale.exists() and live.exists() and other.exists()
 
 
 def test_the_weights_fingerprint_is_the_safetensors_bytes(tmp_path):
-    from forge_stream.engine.vllm_engine import weights_fingerprint
-
     a, b, c = (tmp_path / n for n in "abc")
     for folder, value in ((a, 1.0), (b, 1.0), (c, 2.0)):
         folder.mkdir()
