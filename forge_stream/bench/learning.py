@@ -60,6 +60,7 @@ SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"
 class LearningSettings:
     rl_minutes: float = 15.0
     engine: str = "torch"  # "vllm": real vLLM (`engine vllm`), "torch": the local torch engine
+    engine_load_interval: float = 0.0  # vLLM: seconds from one weight load to the next (engine vllm --load-interval)
     loss: str = "cispo"
     lr: float = 1e-4
     updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)
@@ -165,6 +166,16 @@ def _served_version(engine_url: str) -> int | None:
         return httpx.get(f"{engine_url}/health", timeout=10).json().get("policy_version")
     except httpx.TransportError:
         return None
+
+
+def _engine_loads(engine_url: str) -> dict:
+    """The vLLM engine's weight-load counts from its /health (loads, renamed_versions, failed_loads); {} from an
+    engine that keeps none or does not answer."""
+    try:
+        health = httpx.get(f"{engine_url}/health", timeout=10).json()
+    except (httpx.TransportError, ValueError):
+        return {}
+    return {key: health[key] for key in ("loads", "renamed_versions", "failed_loads") if key in health}
 
 
 SERVE_WAIT_S = 120.0  # how long the bench waits, after RL, for the engine to serve the last version
@@ -278,7 +289,8 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         progress(f"{tag} [1/5] starting the topology in {home}")
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
             "engine": {"kind": s.engine, "model": model, "max_batch_size": s.concurrency, "policy_run": run_id,
-                       **({"threads": 1} if s.engine == "torch" else {})},
+                       **({"threads": 1} if s.engine == "torch" else {}),
+                       **({"load_interval": s.engine_load_interval} if s.engine_load_interval else {})},
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
                            "rules": [f"{SUBGOAL_RULE}={s.subgoal_reward}"] if s.subgoal_reward else []},
@@ -336,6 +348,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             raise EngineGone(f"{tag} the engine at {engine_url} did not answer for {SERVE_WAIT_S:.0f} s after RL "
                              f"stopped, so the trained policy cannot be evaluated: read "
                              f"{cfg.run_dir / 'engine.log'}")
+        engine_loads = _engine_loads(engine_url)
         progress(f"{tag} [5/5] {s.eval_split} evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
         progress(f"{tag}   {s.eval_split} reward {_describe(final)}")
@@ -355,7 +368,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         summary = _summary(s, seed, warm, baseline, final, steps, rl_minutes, served)
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
-        return {**summary, "engine": s.engine, "groups_submitted": len(submitted),
+        return {**summary, "engine": s.engine, "engine_loads": engine_loads, "groups_submitted": len(submitted),
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),
                 "rollouts_per_minute": round(rollouts / rl_minutes, 1) if rl_minutes > 0 else None,
                 "rl_cpu_seconds": cpu,

@@ -219,6 +219,9 @@ def learning(
     engine_kind: Optional[str] = typer.Option(None, "--engine", help="Rollout engine: torch (the local torch "
                                               "engine; the default for the tiny model) or vllm (real vLLM, its runtime "
                                               "installed first; the default with --model)."),
+    engine_load_interval: float = typer.Option(0.0, min=0.0, help="vLLM only: seconds from the end of one weight "
+                                                                  "load to the start of the next (engine vllm "
+                                                                  "--load-interval); 0 loads every version."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: Optional[float] = typer.Option(None, help="Trainer learning rate (default: 1e-4; with --model, 1e-5: at "
                                                    "1e-4 one step moved SmolLM2-135M's log-probs by up to 14 nats)."),
@@ -279,7 +282,8 @@ def learning(
     if not 0.0 <= replay_edge < 1.0:
         typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
         raise typer.Exit(2)
-    settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, loss=loss, lr=lr,
+    settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, engine_load_interval=engine_load_interval,
+                                loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                                 replay_edge=replay_edge, eval_split=eval_split,

@@ -102,6 +102,10 @@ def vllm(
                                                         "('' turns tool calling off)."),
     probe: bool = typer.Option(True, help="Prove each loaded version with prompt log-probs of a probe sequence "
                                           "(a forward pass of the checkpoint on this host's CPU)."),
+    load_interval: float = typer.Option(0.0, min=0.0, help="Seconds from the end of one weight load to the start "
+                                                          "of the next (the versions between are skipped; each load "
+                                                          "holds new requests while those in flight drain); 0 loads "
+                                                          "every version as it comes."),
     vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
                                                 "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
@@ -139,5 +143,6 @@ def vllm(
         model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
+        load_interval_s=load_interval,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -21,6 +21,9 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
 - **A version with the served weights is only renamed.** A trainer step whose batch had no signal changes no weight
   but still publishes a version; one whose weight files are byte for byte the served ones is announced without a
   drain or a reload (on SmolLM2 a load costs seconds of held requests; most steps of a small batch carry no signal).
+- **Loads at most every `load_interval_s`** (0: every version as it comes). Each load holds new requests while
+  those in flight drain; with a trainer that publishes every few seconds, spacing the loads trades a version or two
+  of staleness (which CISPO's importance weight corrects) for fewer drains.
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
 - **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
   token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
@@ -83,6 +86,7 @@ class VllmEngineSettings:
     kv_cache_gib: int = 2
     tool_call_parser: str = "hermes"
     probe: bool = True
+    load_interval_s: float = 0.0  # the least time from the end of one load to the start of the next
     start_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     bootstrap: str | None = None
@@ -178,6 +182,7 @@ class EngineState:
     renamed: int = 0  # versions announced without a reload: their weights were the served ones
     fingerprint: str | None = None  # of the served weights (weights_fingerprint), once computed
     last_mismatch: float | None = None
+    load_after: float = 0.0  # time.monotonic() before which no load starts (load_interval_s after the last)
 
     @property
     def vllm_url(self) -> str:
@@ -376,14 +381,21 @@ async def _watch_process(state: EngineState, proc: subprocess.Popen) -> None:
 
 async def follow_policy(state: EngineState) -> None:
     """Load each newer version of the run into vLLM (the history's newest first), until cancelled. After a load
-    (seconds), the newest of all that was published meanwhile is next: the versions between are skipped."""
+    (seconds), and after the wait of `load_interval_s` that follows it, the newest of all that was published
+    meanwhile is next: the versions between are skipped."""
     settings = state.settings
     async with Follower(settings.bootstrap, TOPICS.policy, settings.policy_run) as policy:
         pending = await policy.backlog()
         while True:
             target = newest(pending, state.gate.version, state.checkpoint)
+            if target is not None and time.monotonic() < state.load_after:
+                await asyncio.sleep(state.load_after - time.monotonic())
+                target = newest([target, *await policy.caught_up()], state.gate.version, state.checkpoint)
             if target is not None:
+                loads = state.loads
                 await load_version(state, target["checkpoint_uri"], target["version"])
+                if state.loads > loads:  # a reload (a rename costs no drain): the next one waits
+                    state.load_after = time.monotonic() + settings.load_interval_s
             pending = await policy.caught_up() or await policy.next()
 
 
