@@ -368,7 +368,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         summary = _summary(s, seed, warm, baseline, final, steps, rl_minutes, served)
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
-        return {**summary, "engine": s.engine, "engine_loads": engine_loads, "groups_submitted": len(submitted),
+        return {**summary, "engine": s.engine, "engine_loads": engine_loads,
+                **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
+                "groups_submitted": len(submitted),
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),
                 "rollouts_per_minute": round(rollouts / rl_minutes, 1) if rl_minutes > 0 else None,
                 "rl_cpu_seconds": cpu,

@@ -219,9 +219,10 @@ def learning(
     engine_kind: Optional[str] = typer.Option(None, "--engine", help="Rollout engine: torch (the local torch "
                                               "engine; the default for the tiny model) or vllm (real vLLM, its runtime "
                                               "installed first; the default with --model)."),
-    engine_load_interval: float = typer.Option(0.0, min=0.0, help="vLLM only: seconds from the end of one weight "
-                                                                  "load to the start of the next (engine vllm "
-                                                                  "--load-interval); 0 loads every version."),
+    engine_load_interval: Optional[float] = typer.Option(
+        None, min=0.0, help="vLLM only: seconds from the end of one weight load to the start of the next (engine "
+                            "vllm --load-interval; default: 30 with --model, where a load holds requests for "
+                            "seconds; otherwise 0, every version)."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: Optional[float] = typer.Option(None, help="Trainer learning rate (default: 1e-4; with --model, 1e-5: at "
                                                    "1e-4 one step moved SmolLM2-135M's log-probs by up to 14 nats)."),
@@ -271,6 +272,8 @@ def learning(
     mix = mix or ("mental=1" if model else "reasoning=1,agent=1,lookup=1")
     lr = lr if lr is not None else (1e-5 if model else 1e-4)
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
+    if engine_load_interval is None:
+        engine_load_interval = 30.0 if model and engine_kind == "vllm" else 0.0
     from forge_stream.bench.learning import EngineGone, LearningSettings, NothingTrained, OutsideBand, run
 
     if engine_kind not in ("torch", "vllm"):

@@ -97,9 +97,13 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     assert result.exit_code == 0, result.output
     s = seen["settings"]
     assert (s.engine, s.mix, s.test_source) == ("vllm", "mental=1", "suite:test?mix=mental=1")
-    assert (s.lr, s.updates_per_batch) == (1e-5, 1)
+    assert (s.lr, s.updates_per_batch, s.engine_load_interval) == (1e-5, 1, 30.0)
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
     assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
+    result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--engine", "torch",
+                                      "--home", str(tmp_path / "h2"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen["settings"].engine_load_interval == 0.0  # the torch engine loads each version in a fraction of a second
 
 
 def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
