@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from forge_stream.files import link_tree
 from forge_stream.proc import alive
 
 log = logging.getLogger(__name__)
@@ -23,15 +23,9 @@ def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
     """A folder of this engine's own under `root` with the files of `checkpoint` (hard links, or copies where the
     file system does not allow them): it stays whole whatever the trainer deletes. OSError if `checkpoint` is gone
     or unreadable (nothing is left behind then)."""
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
     held = Path(tempfile.mkdtemp(prefix=f"v{version:06d}-", dir=root))
     try:
-        shutil.copytree(checkpoint, held, copy_function=link_or_copy, dirs_exist_ok=True)
+        link_tree(checkpoint, held)
     except (OSError, shutil.Error) as exc:
         shutil.rmtree(held, ignore_errors=True)
         raise OSError(f"cannot hold {checkpoint}: {exc}") from exc

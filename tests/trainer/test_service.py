@@ -180,3 +180,52 @@ def test_rotation_keeps_the_newest_attempt_of_the_newest_versions(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-v000007-aaaa", "v000004-bbbb", "v000005-0000",
                                                           "v000006-9999"]
     assert find_checkpoint(tmp_path, 5).name == "v000005-0000"
+
+
+def test_a_step_without_signal_links_the_last_checkpoint_instead_of_writing_it(tiny_model_dir, tmp_path, run_id):
+    """A batch whose every advantage is 0 changes no weight and no optimizer state: its version's checkpoint is hard
+    links to the last one's files (the same bytes, no write); a step with a signal writes new files, and a trainer
+    resumes from a linked checkpoint as from any other."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from forge_stream.scheduler.consumer import Batch
+    from forge_stream.trainer.service import PolicyTrainer, TrainerSettings, find_checkpoint
+    from forge_stream.trainer.step import StepConfig
+
+    settings = TrainerSettings(bootstrap="unused:9092", base_model=tiny_model_dir, checkpoint_dir=tmp_path,
+                               scheduler=SchedulerSettings(bootstrap="unused:9092", run=run_id),
+                               step=StepConfig(lr=3e-2), keep_checkpoints=2)
+    trainer = PolicyTrainer(settings, resume_version=0)
+    state, sample = None, None
+    for schema, record in group_events(run_id, group_size=3, turns=2):
+        state, emits = fold(state, schema, record, ProcessorSettings())
+        sample = next((e.record for e in emits if e.schema == "TrainSample"), sample)
+    flat = {**sample, "sequences": [{**ref, "advantage": 0.0} for ref in sample["sequences"]]}
+
+    def step(s: dict) -> Path:
+        batch = Batch([s], [0], trainer.policy_version, 0)
+        trainer.step(batch)
+        return Path(trainer.checkpoint()["checkpoint_uri"])
+
+    def inodes(folder: Path) -> dict[str, int]:
+        return {f.name: f.stat().st_ino for f in folder.iterdir()}
+
+    written = inodes(step(sample))  # a signal: written
+    v2 = step(flat)  # none: linked
+    assert inodes(v2) == written and (v2 / "optimizer.pt").exists()
+    v3 = step(flat)
+    assert inodes(v3) == written
+    v4 = step(sample)  # a signal again: new weights, new files
+    assert not set(inodes(v4).values()) & set(inodes(v3).values())
+    before, after = load_file(v3 / "model.safetensors"), load_file(v4 / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name[:7] for p in tmp_path.glob("v*")) == ["v000003", "v000004"]  # rotation as usual
+    assert (v3 / "model.safetensors").exists()  # v1 and v2 deleted under it: its links hold the bytes
+    resumed = PolicyTrainer(settings, resume_version=3)
+    assert find_checkpoint(tmp_path, 3) == v3
+    weights = dict(resumed.model.named_parameters())
+    assert all(torch.equal(weights[k].detach(), v) for k, v in before.items() if k in weights)
+    assert resumed.saved == v3
