@@ -5,7 +5,8 @@
 2. `PolicyTrainer.step` (`train_step`) runs one tree-packed forward/backward per micro-batch forest and one AdamW
    step;
 3. `PolicyTrainer.checkpoint` writes the new weights as a HuggingFace checkpoint (safetensors, tokenizer,
-   optimizer state) and the loop publishes its PolicyVersion on forge.policy (the engines load it);
+   optimizer state; after a step whose batch had no signal, hard links to the last checkpoint's files) and the
+   loop publishes its PolicyVersion on forge.policy (the engines load it);
 4. the scheduler publishes the TrainStep (the step's commit point: which groups were trained) and commits offsets.
 
 A restart resumes from the checkpoint of the last committed step, so a step that crashed before its TrainStep
