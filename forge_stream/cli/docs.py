@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 import typer
 
+from forge_stream.cli.options import user_error
+
 app = typer.Typer(no_args_is_help=True, help="The documentation site's generated pages and benchmark results.")
 
 REGION = re.compile(r"(<!-- generated: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
@@ -290,19 +292,31 @@ def record(
     summary: str = typer.Option(..., help="The result in one line, as the benchmark's table shows it."),
     variant: Optional[str] = typer.Option(None, help="What sets this run apart from the benchmark's others."),
     target: Optional[str] = typer.Option(None, help="The target and whether it is met."),
+    commit: Optional[str] = typer.Option(None, help="The commit the run was made at, if not the checkout's HEAD "
+                                                    "(a later commit may only have added its documentation)."),
     root: Path = typer.Option(Path("."), help="The repository checkout."),
 ) -> None:
-    """Keep one benchmark run as benchmarks/results/BENCHMARK-DATE-COMMIT.json (command, commit, machine, date,
-    the run's own JSON), then regenerate the tables."""
+    """Keep one benchmark run as benchmarks/results/BENCHMARK-DATE-COMMIT[-N].json (command, commit, machine, date,
+    the run's own JSON; -2, -3, ... for further runs recorded at the same commit), then regenerate the tables."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
-    commit = git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    if commit is None:
+        commit = git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    else:
+        try:
+            commit = git("rev-parse", "--verify", f"{commit}^{{commit}}")
+        except subprocess.CalledProcessError:
+            raise user_error(f"--commit {commit} is not a commit of {root}") from None
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     entry = {"benchmark": benchmark, "variant": variant, "command": command, "commit": commit, "date": date,
              "machine": this_machine(), "summary": summary, "target": target, "headline": None, "exploratory": False,
              "recorded": None, "result": json.loads(result.read_text()), "notes": None}
-    out = root / RESULTS / f"{benchmark}-{date}-{commit[:10]}.json"
+    stem = f"{benchmark}-{date}-{commit[:10]}"
+    out, n = root / RESULTS / f"{stem}.json", 1
+    while out.exists():  # another run recorded at the same commit that day: keep both
+        n += 1
+        out = root / RESULTS / f"{stem}-{n}.json"
     out.write_text(json.dumps(entry, indent=2) + "\n")
     typer.echo(f"wrote {out}", err=True)
     generate(root, check=False)

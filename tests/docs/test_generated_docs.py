@@ -72,3 +72,15 @@ def test_docs_record_keeps_a_run_with_its_command_commit_and_machine(tmp_path):
     assert kept["commit"] == head and kept["command"] == "forge-stream bench codec --json"
     assert kept["machine"]["cores"] >= 1 and kept["result"] == {"avro_bytes": 17400} and kept["date"]
     assert f"[{kept['file']}](results/{kept['file']})" in page.read_text()
+    # a second run at the same commit is kept beside the first; a run made at an earlier commit says so
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "docs only"], cwd=tmp_path, check=True)
+    for extra in ([], [], ["--commit", head]):
+        result = CliRunner().invoke(app, ["docs", "record", str(run), "--benchmark", "codec", "--root",
+                                          str(tmp_path), "--command", "c", "--summary", "s", *extra])
+        assert result.exit_code == 0, result.output
+    kept = load_results(tmp_path)
+    assert len(kept) == 4 and len({k["file"] for k in kept}) == 4
+    assert sorted(k["commit"] for k in kept).count(head) == 2
+    result = CliRunner().invoke(app, ["docs", "record", str(run), "--benchmark", "codec", "--root", str(tmp_path),
+                                      "--command", "c", "--summary", "s", "--commit", "nope"])
+    assert result.exit_code == 2 and "not a commit" in result.output
