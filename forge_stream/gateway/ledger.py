@@ -42,6 +42,8 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+from forge_stream.proc import alive
+
 BUCKETS = 1 << 18
 _PID_BYTES = 8
 _PREFIX = "forge-gateway-ledger-"
@@ -63,16 +65,6 @@ def _ofd_lock(fd: int, kind: int, offset: int) -> bool:
 
 def _size(workers: int) -> int:
     return workers * _PID_BYTES + BUCKETS * workers * 4
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 def _directory(directory: str | None) -> str:
@@ -152,7 +144,7 @@ class WorkerLedger:
             pids = memoryview(self._map)[:self.workers * _PID_BYTES].cast("Q")
             try:
                 for slot in range(self.workers):
-                    if pids[slot] == 0 or not _alive(pids[slot]):
+                    if pids[slot] == 0 or not alive(pids[slot]):
                         pids[slot] = os.getpid()
                         return slot
             finally:
