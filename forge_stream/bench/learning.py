@@ -335,8 +335,8 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                 progress(f"{tag}   step {step['step']}: outcome reward {step['outcome_reward']:.3f}, "
                          f"loss {step['loss']:.4f}, mismatch {step['mismatch_mean']:.4f}, groups {step['groups']}")
             shown = len(steps)
-        cpu_after = _cpu_by_service(cfg)
-        cpu = {name: round(seconds - cpu_before.get(name, 0.0), 1) for name, seconds in cpu_after.items()}
+        cpu_parts = cpu_used(cpu_before, _cpu_by_service(cfg))
+        cpu = {name: round(sum(parts.values()), 1) for name, parts in cpu_parts.items()}
         progress(f"{tag}   CPU seconds used during RL, by service: {cpu}")
         progress(f"{tag} [4/5] stopping the rollouts and the trainer; the engine loads the last policy")
         supervisor.stop("controller", timeout=120)
@@ -374,6 +374,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),
                 "rollouts_per_minute": round(rollouts / rl_minutes, 1) if rl_minutes > 0 else None,
                 "rl_cpu_seconds": cpu,
+                "rl_cpu_seconds_by_process": {name: parts for name, parts in cpu_parts.items() if len(parts) > 1},
                 "cpu_ms_per_rollout": {name: round(1000 * sec / rollouts, 1) for name, sec in cpu.items()}
                 if rollouts else {}}
     finally:
@@ -392,36 +393,72 @@ class EngineGone(RuntimeError):
     """The engine stopped answering after RL: the trained policy cannot be evaluated (its log says why)."""
 
 
-def _proc_tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) of a live process and its live descendants, from /proc (Linux)."""
-    stats: dict[int, tuple[int, float]] = {}
+def processes() -> dict[int, tuple[int, float, str]]:
+    """Every live process: pid -> (parent pid, CPU seconds (user + system), command line), from /proc (Linux)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    total, todo = 0.0, [root]
+        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, command)
+    return out
+
+
+def process_part(pid: int, root: int, command: str) -> str:
+    """Which part of a service a process is: the service's own process, one of vLLM's (by its process title), or
+    the service's children (the controller's agents)."""
+    if pid == root:
+        return "self"
+    if command.startswith("VLLM::"):
+        return command.split()[0]
+    return "VLLM::APIServer" if "vllm.entrypoints" in command else "children"
+
+
+def proc_tree_cpu(root: int, processes: dict[int, tuple[int, float, str]]) -> dict[str, float]:
+    """CPU seconds of a live process and its live descendants, by part (process_part)."""
+    parts: dict[str, float] = {}
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += stats.get(pid, (0, 0.0))[1]
-        todo += [child for child, (parent, _) in stats.items() if parent == pid]
-    return total
+        if pid in processes:
+            part = process_part(pid, root, processes[pid][2])
+            parts[part] = parts.get(part, 0.0) + processes[pid][1]
+        todo += [child for child, (parent, _, _) in processes.items() if parent == pid]
+    return parts
 
 
-def _cpu_by_service(cfg: ForgeSettings) -> dict[str, float]:
-    """Each service's CPU seconds so far (with its child processes: the controller's agents), the broker's too."""
-    out = {name: round(_proc_tree_cpu_s(entry["pid"]), 1)
+CpuParts = dict[str, dict[str, float]]  # service -> part -> CPU seconds
+
+
+def _cpu_by_service(cfg: ForgeSettings) -> CpuParts:
+    """Each service's CPU seconds so far by part (its own process, vLLM's processes, its children: the controller's
+    agents), the broker's too."""
+    running = processes()
+    out = {name: proc_tree_cpu(entry["pid"], running)
            for name, entry in Supervisor(cfg.run_dir).status().items() if entry.get("pid")}
     if cfg.embedded and "broker" not in out:  # `up` supervises the embedded broker as the service `broker`
         from forge_stream.deploy import local_broker
 
         pid = local_broker(cfg).pid()
         if pid:
-            out["kafka"] = round(_proc_tree_cpu_s(pid), 1)
+            out["kafka"] = proc_tree_cpu(pid, running)
     return out
+
+
+def cpu_used(before: CpuParts, after: CpuParts) -> CpuParts:
+    """CPU seconds each service's parts used between two _cpu_by_service readings (a part whose count went down
+    was restarted: it counts from 0)."""
+    used = {}
+    for name, parts in after.items():
+        old = before.get(name, {})
+        used[name] = {part: round(sec - old.get(part, 0.0) if sec >= old.get(part, 0.0) else sec, 1)
+                      for part, sec in parts.items()}
+    return used
 
 
 def _describe(result: dict) -> str:

@@ -106,6 +106,10 @@ def vllm(
                                                           "of the next (the versions between are skipped; each load "
                                                           "holds new requests while those in flight drain); 0 loads "
                                                           "every version as it comes."),
+    mq_poll: float = typer.Option(None, min=0.0, help="Seconds between the polls of vLLM's step queue while its "
+                                                      "engine core and worker wait for each other (default: 0.0005 "
+                                                      "on CPU hosts, where spinning takes a core from the trainer; "
+                                                      "on GPU hosts they spin, as vLLM has it)."),
     vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
                                                 "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
@@ -143,6 +147,6 @@ def vllm(
         model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
-        load_interval_s=load_interval,
+        load_interval_s=load_interval, mq_poll_s=mq_poll,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -26,6 +26,10 @@ class EngineProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def start(self, timeout: float | None = None) -> "EngineProcess":
         timeout = timeout or (120.0 if self.kind == "serve" else 1200.0)
         self._proc = proc.start_process([sys.executable, "-m", "forge_stream.engine", self.kind, "--model", self.model,

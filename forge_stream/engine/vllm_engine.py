@@ -25,6 +25,10 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   those in flight drain; with a trainer that publishes every few seconds, spacing the loads trades a version or two
   of staleness (which CISPO's importance weight corrects) for fewer drains.
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
+- **No spinning on CPU hosts.** vLLM's engine core and worker hand each step over through a shared-memory queue
+  whose waits spin (for a second after every message), so under load both spin all the time: on 2 cores, one core
+  taken from the trainer. On CPU hosts forge-stream's runtime makes them poll the queue every `mq_poll_s` (0.5 ms)
+  instead (vllm_ext/sitecustomize.py), and reads each worker's setting back into /health.
 - **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
   token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
   start without one.
@@ -87,6 +91,7 @@ class VllmEngineSettings:
     tool_call_parser: str = "hermes"
     probe: bool = True
     load_interval_s: float = 0.0  # the least time from the end of one load to the start of the next
+    mq_poll_s: float | None = None  # how vLLM's step queue waits (vllm_env); None: polled on CPU hosts, spun on GPUs
     start_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     bootstrap: str | None = None
@@ -182,6 +187,7 @@ class EngineState:
     renamed: int = 0  # versions announced without a reload: their weights were the served ones
     fingerprint: str | None = None  # of the served weights (weights_fingerprint), once computed
     last_mismatch: float | None = None
+    mq_poll_s: list[float | None] | None = None  # each worker's, read back once at start-up
     load_after: float = 0.0  # time.monotonic() before which no load starts (load_interval_s after the last)
 
     @property
@@ -296,7 +302,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
                 "loads": state.loads, "failed_loads": state.failed_loads, "renamed_versions": state.renamed,
-                "probe_mismatch": state.last_mismatch}
+                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s}
 
     if settings.token:
         app.add_middleware(RequireBearer, token=settings.token)
@@ -307,7 +313,8 @@ def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
     log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
              " ".join(settings.vllm_argv()[3:]))
     return start_process(settings.vllm_argv(), new_session=True, preexec_fn=_end_with_parent,
-                         env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib))
+                         env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib,
+                                      settings.mq_poll_s))
 
 
 def _end_with_parent() -> None:
@@ -357,6 +364,8 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
                 return _exit(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
         state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
+        with contextlib.suppress(WorkerError, httpx.HTTPError):  # reported on /health; serving goes on without it
+            state.mq_poll_s = await state.control.mq_poll()
         state.ready = True
         log.info("engine ready (pid %d) on %s:%d: vLLM %s (started in %.0fs) serving %s at policy version %d; %s",
                  os.getpid(), settings.host, settings.port, settings.runtime.target, time.monotonic() - started,

@@ -151,10 +151,17 @@ def ensure_runtime(cache_dir: Path, target: Target | None = None, echo: Callable
     return rt
 
 
-def vllm_env(cache_dir: Path, target: Target, kv_cache_gib: int | None = None) -> dict[str, str]:
+MQ_POLL_ENV = "FORGE_VLLM_MQ_POLL_S"  # read by vllm_ext/sitecustomize.py in vLLM's processes
+MQ_POLL_S = 0.0005  # CPU hosts: a step waits at most this long more; a waiting process uses a few % of a core
+
+
+def vllm_env(cache_dir: Path, target: Target, kv_cache_gib: int | None = None,
+             mq_poll_s: float | None = None) -> dict[str, str]:
     """The environment of a vLLM server process: dev control routes on (the server binds loopback only), the
-    compile cache kept under the cache directory, the KV cache size on CPU hosts, and forge-stream's worker extension
-    (forge_stream/engine/vllm_ext) importable."""
+    compile cache kept under the cache directory, the KV cache size on CPU hosts, forge-stream's worker extension
+    (forge_stream/engine/vllm_ext) importable, and how vLLM's step queue waits (vllm_ext/sitecustomize.py): polled
+    every `mq_poll_s` seconds, by default MQ_POLL_S on CPU hosts (spinning takes a core from the trainer), spinning
+    as vLLM has it on GPU hosts."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm-cache"),
            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
     for name in ("VIRTUAL_ENV", "PYTHONHOME"):  # the project's environment is not vLLM's
@@ -162,4 +169,10 @@ def vllm_env(cache_dir: Path, target: Target, kv_cache_gib: int | None = None) -
     env["PYTHONPATH"] = str(Path(__file__).with_name("vllm_ext"))  # forge_worker: the worker extension
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib if kv_cache_gib is not None else 2)
+    if mq_poll_s is None and target == "cpu":
+        mq_poll_s = MQ_POLL_S
+    if mq_poll_s is not None:
+        env[MQ_POLL_ENV] = repr(float(mq_poll_s))
+    else:
+        env.pop(MQ_POLL_ENV, None)
     return env

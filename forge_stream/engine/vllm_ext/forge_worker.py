@@ -31,3 +31,10 @@ class ForgeWorkerExtension:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
                 repacked.append(name)
         return {"repacked": repacked}
+
+    def forge_mq_poll(self) -> dict:
+        """{"poll_s": seconds between this worker's polls of its step queue as forge-stream set them
+        (sitecustomize.py), or None where it spins as vLLM has it} (a dict: vLLM's route would stringify a number)."""
+        from vllm.distributed.device_communicators import shm_broadcast
+
+        return {"poll_s": getattr(shm_broadcast, "forge_poll_s", None)}
