@@ -11,6 +11,7 @@ ports, log file and pid file, so several can run side by side.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from forge_stream.proc import ProcessError, start_process, wait_healthy
+from forge_stream.proc import ProcessError, alive, start_process, wait_healthy
 from forge_stream.topics import TOPICS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -209,15 +210,11 @@ class LocalBroker:
             return False
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            _reap(pid)
+        while alive(pid) and time.monotonic() < deadline:  # alive() reaps it if it is our child
             time.sleep(0.2)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         _reap(pid)
         self.pid_file.unlink(missing_ok=True)
         return True
