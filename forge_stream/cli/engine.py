@@ -98,6 +98,9 @@ def vllm(
     max_model_len: int = typer.Option(2048, help="Prompt + completion limit."),
     dtype: str = typer.Option("float32", help="Weights' dtype in vLLM (and of the probe's reference)."),
     kv_cache_gib: int = typer.Option(2, help="KV cache GiB on CPU hosts (VLLM_CPU_KVCACHE_SPACE)."),
+    block_size: int = typer.Option(None, min=1, help="Tokens per KV-cache block, the prefix cache's granularity "
+                                                     "(default: 32 on CPU hosts, the least vLLM's CPU attention "
+                                                     "takes, against its own 128; vLLM's own on GPUs)."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's chat template "
                                                         "('' turns tool calling off)."),
     probe: bool = typer.Option(True, help="Prove each loaded version with prompt log-probs of a probe sequence "
@@ -146,7 +149,7 @@ def vllm(
     settings = VllmEngineSettings(
         model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
-        max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, tool_call_parser=tool_call_parser, probe=probe,
+        max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size, tool_call_parser=tool_call_parser, probe=probe,
         load_interval_s=load_interval, mq_poll_s=mq_poll,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

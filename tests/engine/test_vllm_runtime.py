@@ -43,3 +43,23 @@ def test_the_server_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(MQ_POLL_ENV, "0.5")  # the caller's own is not passed on by accident
     assert MQ_POLL_ENV not in vllm_env(tmp_path, "gpu")
     assert vllm_env(tmp_path, "gpu", mq_poll_s=0.002)[MQ_POLL_ENV] == "0.002"
+
+
+def test_the_server_command_caches_prefixes_in_small_blocks_on_cpu_hosts(tmp_path):
+    """vLLM's CPU default of 128-token KV blocks leaves up to 127 tokens of each agent turn's prompt uncached; the
+    engine asks for 32 there (the least vLLM's CPU attention takes), and leaves GPU hosts at vLLM's own."""
+    from forge_stream.deploy import engine_service
+    from forge_stream.engine.vllm_engine import CPU_BLOCK_SIZE, VllmEngineSettings
+    from forge_stream.engine.vllm_runtime import VllmRuntime
+    from forge_stream.settings import ForgeSettings
+
+    def block_size(target: str, **settings) -> str | None:
+        argv = VllmEngineSettings("model", VllmRuntime(tmp_path, target), tmp_path, **settings).vllm_argv()
+        return argv[argv.index("--block-size") + 1] if "--block-size" in argv else None
+
+    assert CPU_BLOCK_SIZE % 32 == 0 and block_size("cpu") == str(CPU_BLOCK_SIZE) and block_size("gpu") is None
+    assert block_size("cpu", block_size=64) == block_size("gpu", block_size=64) == "64"
+    assert "--enable-prefix-caching" in VllmEngineSettings("model", VllmRuntime(tmp_path, "cpu"), tmp_path).vllm_argv()
+    # a topology's engine passes both on
+    argv = engine_service(ForgeSettings(home=tmp_path), {"kind": "vllm", "block_size": 64, "mq_poll": 0.001}).argv
+    assert argv[argv.index("--block-size") + 1] == "64" and argv[argv.index("--mq-poll") + 1] == "0.001"
