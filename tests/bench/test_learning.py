@@ -4,6 +4,7 @@ each seed's two evaluations on the same test tasks, and runs several seeds end t
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -215,17 +216,22 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
 def test_cpu_is_counted_by_service_part_across_a_restart():
     """The JSON's rl_cpu_seconds_by_process: a service's own process, vLLM's processes by their titles, the rest as
     its children; a part whose count went down was restarted and counts from 0."""
-    child = subprocess.Popen(["bash", "-c", "exec -a VLLM::Worker sleep 30"])
-    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    service = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen(['bash', '-c', 'exec -a VLLM::Worker sleep 60'])\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "sum(i * i for i in range(3_000_000))\n"  # some CPU of its own
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        assert service.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 10
-        while "VLLM::Worker" not in learning.processes().get(child.pid, (0, 0.0, ""))[2]:
-            assert time.monotonic() < deadline
+        while len(parts := learning.proc_tree_cpu(service.pid, learning.processes())) < 3:
+            assert time.monotonic() < deadline, parts
             time.sleep(0.05)
-        sum(i * i for i in range(2_000_000))  # some CPU of our own
-        parts = learning.proc_tree_cpu(os.getpid(), learning.processes())
     finally:
-        child.kill(), grandchild.kill()
+        os.killpg(service.pid, signal.SIGKILL)
+        service.wait()
     assert set(parts) == {"self", "VLLM::Worker", "children"} and parts["self"] > 0
     assert learning.cpu_used({"engine": {"self": 10.0, "VLLM::Worker": 50.0}},
                              {"engine": {"self": 12.5, "VLLM::Worker": 4.0, "children": 1.0}}) == {
