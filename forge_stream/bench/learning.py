@@ -40,6 +40,7 @@ from typing import Callable
 
 import httpx
 
+from forge_stream.bench.cpu import CpuParts, cpu_used, proc_tree_cpu, processes
 from forge_stream.bench.intervals import paired_bootstrap
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
@@ -393,48 +394,6 @@ class EngineGone(RuntimeError):
     """The engine stopped answering after RL: the trained policy cannot be evaluated (its log says why)."""
 
 
-def processes() -> dict[int, tuple[int, float, str]]:
-    """Every live process: pid -> (parent pid, CPU seconds (user + system), command line), from /proc (Linux)."""
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, command)
-    return out
-
-
-def process_part(pid: int, root: int, command: str) -> str:
-    """Which part of a service a process is: the service's own process, one of vLLM's (by its process title), or
-    the service's children (the controller's agents)."""
-    if pid == root:
-        return "self"
-    if command.startswith("VLLM::"):
-        return command.split()[0]
-    return "VLLM::APIServer" if "vllm.entrypoints" in command else "children"
-
-
-def proc_tree_cpu(root: int, processes: dict[int, tuple[int, float, str]]) -> dict[str, float]:
-    """CPU seconds of a live process and its live descendants, by part (process_part)."""
-    parts: dict[str, float] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in processes:
-            part = process_part(pid, root, processes[pid][2])
-            parts[part] = parts.get(part, 0.0) + processes[pid][1]
-        todo += [child for child, (parent, _, _) in processes.items() if parent == pid]
-    return parts
-
-
-CpuParts = dict[str, dict[str, float]]  # service -> part -> CPU seconds
-
-
 def _cpu_by_service(cfg: ForgeSettings) -> CpuParts:
     """Each service's CPU seconds so far by part (its own process, vLLM's processes, its children: the controller's
     agents), the broker's too."""
@@ -448,17 +407,6 @@ def _cpu_by_service(cfg: ForgeSettings) -> CpuParts:
         if pid:
             out["kafka"] = proc_tree_cpu(pid, running)
     return out
-
-
-def cpu_used(before: CpuParts, after: CpuParts) -> CpuParts:
-    """CPU seconds each service's parts used between two _cpu_by_service readings (a part whose count went down
-    was restarted: it counts from 0)."""
-    used = {}
-    for name, parts in after.items():
-        old = before.get(name, {})
-        used[name] = {part: round(sec - old.get(part, 0.0) if sec >= old.get(part, 0.0) else sec, 1)
-                      for part, sec in parts.items()}
-    return used
 
 
 def _describe(result: dict) -> str:

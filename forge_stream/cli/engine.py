@@ -149,7 +149,7 @@ def vllm(
     settings = VllmEngineSettings(
         model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
-        max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size, tool_call_parser=tool_call_parser, probe=probe,
-        load_interval_s=load_interval, mq_poll_s=mq_poll,
+        max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size,
+        tool_call_parser=tool_call_parser, probe=probe, load_interval_s=load_interval, mq_poll_s=mq_poll,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from forge_stream.bench import learning
+from forge_stream.bench import cpu, learning
 from forge_stream.bench.intervals import tasks_for_half_width
 from forge_stream.cli import app
 from forge_stream.rollout.sources import load_task_source
@@ -226,13 +226,13 @@ def test_cpu_is_counted_by_service_part_across_a_restart():
     try:
         assert service.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 10
-        while len(parts := learning.proc_tree_cpu(service.pid, learning.processes())) < 3:
+        while len(parts := cpu.proc_tree_cpu(service.pid, cpu.processes())) < 3:
             assert time.monotonic() < deadline, parts
             time.sleep(0.05)
     finally:
         os.killpg(service.pid, signal.SIGKILL)
         service.wait()
     assert set(parts) == {"self", "VLLM::Worker", "children"} and parts["self"] > 0
-    assert learning.cpu_used({"engine": {"self": 10.0, "VLLM::Worker": 50.0}},
+    assert cpu.cpu_used({"engine": {"self": 10.0, "VLLM::Worker": 50.0}},
                              {"engine": {"self": 12.5, "VLLM::Worker": 4.0, "children": 1.0}}) == {
         "engine": {"self": 2.5, "VLLM::Worker": 4.0, "children": 1.0}}

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from forge_stream.bench.learning import processes
+from forge_stream.bench.cpu import proc_tree_cpu, processes
 from forge_stream.engine.vllm_runtime import MQ_POLL_S, runtime, vllm_env
 from forge_stream.settings import ForgeSettings
 
@@ -49,15 +49,9 @@ def test_vllms_queue_is_polled_in_the_cpu_runtime_and_spun_otherwise(tmp_path):
 
 def _vllm_cpu_s(front: int) -> dict[str, float]:
     """CPU seconds so far of each of vLLM's titled processes under the engine's front (VLLM::EngineCore, ...)."""
-    running = processes()
-    out, todo = {}, [front]
-    while todo:
-        pid = todo.pop()
-        todo += [child for child, (parent, _, _) in running.items() if parent == pid]
-        if running[pid][2].startswith("VLLM::"):
-            out[running[pid][2].split()[0]] = running[pid][1]
-    assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(out), out
-    return out
+    parts = proc_tree_cpu(front, processes())
+    assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(parts), parts
+    return parts
 
 
 def test_the_served_engines_worker_stops_using_cpu_with_the_last_step(vllm_engine):
