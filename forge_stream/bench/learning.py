@@ -55,6 +55,7 @@ AGENT = f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'} --se
 
 
 SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"
+PARTIAL_CREDIT_RULE = "forge_stream.processors.rules.answer_prefix"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class LearningSettings:
     lr: float = 1e-4
     updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)
     subgoal_reward: float = 0.0  # weight of the tool_result_answers process rule (0: off)
+    partial_credit: float = 0.0  # weight of the answer_prefix process rule (0: off)
     advantage_scale: str = "none"  # "std" (GRPO) or "none" (Dr. GRPO): see forge_stream/processors/rewards.py
     batch_size: int = 16  # groups per optimizer step
     group_size: int = 8  # G rollouts per task
@@ -272,6 +274,12 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def rules(s: LearningSettings) -> list[str]:
+    """The process rules the processors get on top of their defaults (each 'path=weight')."""
+    weights = ((SUBGOAL_RULE, s.subgoal_reward), (PARTIAL_CREDIT_RULE, s.partial_credit))
+    return [f"{path}={weight}" for path, weight in weights if weight]
+
+
 def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
              progress: Callable[[str], None] = print) -> dict:
     """One seed's evaluation of its warm start, RL and evaluation, on a topology of its own in `home`."""
@@ -294,7 +302,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                        **({"load_interval": s.engine_load_interval} if s.engine_load_interval else {})},
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
-                           "rules": [f"{SUBGOAL_RULE}={s.subgoal_reward}"] if s.subgoal_reward else []},
+                           "rules": rules(s)},
             "trainer": {"model": model, "run": run_id, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
                         "updates_per_batch": s.updates_per_batch,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,

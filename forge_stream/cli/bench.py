@@ -230,6 +230,8 @@ def learning(
                                                                "4; with --model, 1)."),
     subgoal_reward: float = typer.Option(0.0, help="Weight of the process rule rewarding a tool call that returned "
                                                    "the task's answer (tool_result_answers; 0: off)."),
+    partial_credit: float = typer.Option(0.0, help="Weight of the process rule giving an answer partial credit for "
+                                                   "the share it gets right from the start (answer_prefix; 0: off)."),
     batch_size: int = typer.Option(16, help="Groups per optimizer step."),
     advantage_scale: str = typer.Option("none", help="std (GRPO) or none (Dr. GRPO): the processors' advantages."),
     group_size: int = typer.Option(8, help="Rollouts per task (G)."),
@@ -288,6 +290,7 @@ def learning(
     settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, engine_load_interval=engine_load_interval,
                                 loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
+                                partial_credit=partial_credit,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,
                                 replay_edge=replay_edge, eval_split=eval_split,
                                 concurrency=concurrency, test_tasks=test_tasks, mix=mix, sft_max_steps=sft_max_steps,

@@ -150,6 +150,38 @@ def tool_result_answers(ctx: TurnContext) -> float:
     return 0.0
 
 
+def answer_prefix(ctx: TurnContext) -> float:
+    """Partial credit for an answer turn (one without tool calls): the share of the task's `answer`, written as its
+    numbers separated by single spaces, that the reply's numbers written the same way get right from the start,
+    over the longer of the two (so a reply that adds numbers earns less). 1 for the exact answer, 0 when the first
+    character is wrong. A dense signal where the outcome is all-or-nothing: a group whose rollouts all failed
+    still tells a reply that got "8 6 1" right from one that got nothing, and a copy right up to its last digit
+    from one wrong at its first. A shaping reward for training; what is reported is the grader's outcome.
+
+    >>> task = {"reference_json": '{"answer": "8 6 3 1"}'}
+    >>> credit = lambda text: round(answer_prefix(TurnContext({"output_text": text}, (), task)), 3)
+    >>> credit("8 6 3 1"), credit("8, 6, 1, 3"), credit("3 8 1 6"), credit("8 6 3 1 5"), credit("")
+    (1.0, 0.571, 0.0, 0.778, 0.0)
+    >>> answer_prefix(TurnContext({"output_text": "8 6 3 1", "tool_calls_json": '[{"function": {}}]'}, (), task))
+    0.0
+    >>> answer_prefix(TurnContext({"output_text": "865"}, (), {"reference_json": '{"answer": "865"}'}))
+    1.0
+    """
+    answer = ctx.reference.get("answer")
+    if answer is None or ctx.completion.get("tool_calls_json"):
+        return 0.0
+    wanted = " ".join(NUMBER.findall(str(answer)))
+    got = " ".join(NUMBER.findall(ctx.completion.get("output_text") or ""))
+    if not wanted:
+        return 0.0
+    shared = 0
+    for a, b in zip(wanted, got):
+        if a != b:
+            break
+        shared += 1
+    return shared / max(len(wanted), len(got))
+
+
 SCRIPTS = ("LATIN", "CYRILLIC", "CJK", "HIRAGANA", "KATAKANA", "HANGUL", "GREEK", "ARABIC")
 MIN_LETTERS = 3  # a script counts as present from this many letters on, so a stray symbol is not "mixing"
 

@@ -72,3 +72,39 @@ def test_a_tool_call_that_returned_the_answer_earns_its_turn_the_subgoal_reward(
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.items() if v}
     assert any(v == 0.5 for v in got.values()) and got.get(("g-s1", 0), 0.0) == 0.0
     assert process(ProcessorSettings(group_timeout_ms=60_000)) == {}
+
+
+def test_partial_credit_gives_a_group_of_failed_answers_a_signal_ordered_by_how_much_each_got_right():
+    """`answer_prefix` (bench learning --partial-credit W): four replies to "order 3, 8, 1 and 6", none of them right,
+    so the grader's outcome is 0 for all and the group has no signal; with the rule the Trajectory advantages rank
+    the replies by how much of "8 6 3 1" each got right from the start, and the outcome stays the grader's."""
+    import json
+
+    from forge_stream.processors import ProcessorSettings, fold
+    from forge_stream.processors.settings import DEFAULT_RULES, parse_rule
+    from forge_stream.processors.synthetic import group_events
+
+    replies = {"g-s0": "8 6 1 3", "g-s1": "3 8 1 6", "g-s2": "8 1 6 3", "g-s3": "8 6 3 2"}
+    events = group_events("g", group_size=4, turns=1)
+    for schema, record in events:
+        if schema == "Task":
+            record["reference_json"] = json.dumps({"answer": "8 6 3 1"})
+        if schema == "Completion":
+            record["output_text"] = replies[record["session_id"]]
+        if schema == "Reward" and record["kind"] == "outcome":
+            record["value"] = 0.0
+
+    def trajectories(settings):
+        state, outputs = None, []
+        for schema, record in events:
+            state, out = fold(state, schema, record, settings)
+            outputs += out
+        return {e.record["session_id"]: e.record for e in outputs if e.schema == "Trajectory"}
+
+    plain = trajectories(ProcessorSettings(group_timeout_ms=60_000))
+    assert {sid: t["turns"][-1]["advantage"] for sid, t in plain.items()} == dict.fromkeys(replies, 0.0)
+    rule = parse_rule("forge_stream.processors.rules.answer_prefix=0.5")
+    shaped = trajectories(ProcessorSettings(group_timeout_ms=60_000, rules=DEFAULT_RULES + (rule,)))
+    advantage = {sid: t["turns"][-1]["advantage"] for sid, t in shaped.items()}
+    assert advantage["g-s3"] > advantage["g-s0"] > advantage["g-s2"] > advantage["g-s1"]
+    assert all(t["outcome_reward"] == 0.0 for t in shaped.values())
