@@ -466,6 +466,8 @@ def _summary(s: LearningSettings, seed: int, warm: dict, baseline: dict, final: 
         "mismatch_mean": sum(st["mismatch_mean"] for st in steps) / len(steps) if steps else None,
         "mismatch_max": max((st["mismatch_max"] for st in steps), default=None),
         "clip_fraction_mean": sum(st["clip_fraction"] for st in steps) / len(steps) if steps else None,
+        "staleness_mean": sum(st["staleness_mean"] for st in steps) / len(steps) if steps else None,
+        "staleness_max": max((st["staleness_max"] for st in steps), default=None),
         "train_outcome_reward_first": steps[0]["outcome_reward"] if steps else None,
         "train_outcome_reward_last": steps[-1]["outcome_reward"] if steps else None,
         "trained_tokens": tokens, "warm_start": warm,

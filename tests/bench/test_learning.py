@@ -21,7 +21,7 @@ from forge_stream.tasks.suite import make_tasks, parse_mix
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE_RUN_KEYS = {"baseline_reward", "final_reward", "improvement", "improvement_ci95", "steps", "groups_trained",
-                   "rl_minutes", "mismatch_mean", "loss"}
+                   "rl_minutes", "mismatch_mean", "loss", "staleness_mean", "staleness_max"}
 
 
 def warm(predicted: float) -> dict:
@@ -175,6 +175,8 @@ def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp
     argv = controller_service(ForgeSettings(home=tmp_path), {"agent": "a", "replay_edge": 0.5}).argv
     assert argv[argv.index("--replay-edge") + 1] == "0.5"
     assert "--replay-edge" not in controller_service(ForgeSettings(home=tmp_path), {"agent": "a"}).argv
+    assert learning.rules(learning.LearningSettings(partial_credit=0.5)) == [f"{learning.PARTIAL_CREDIT_RULE}=0.5"]
+    assert learning.rules(learning.LearningSettings()) == []
     for bad, says in ((["--eval-split", "train"], "--eval-split takes test or validation"),
                       (["--replay-edge", "1"], "--replay-edge is a share")):
         result = CliRunner().invoke(app, ["bench", "learning", *bad, "--home", str(tmp_path / "h")])
@@ -188,7 +190,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     out = subprocess.run([sys.executable, "-m", "forge_stream", "bench", "learning", "--seeds", "2", "--seed", "5",
                           "--rl-minutes", "0.5", "--test-tasks", "6", "--sft-max-steps", "10", "--sft-examples", "32",
                           "--allow-outside-band", "--batch-size", "2", "--group-size", "2", "--concurrency", "8",
-                          "--replay-edge", "0.5", "--home", str(tmp_path / "home"), "--json"],
+                          "--replay-edge", "0.5", "--partial-credit", "0.5", "--home", str(tmp_path / "home"), "--json"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -209,6 +211,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert 0 < run["rl_minutes"] < 3
         assert run["steps"] >= 1 and run["groups_trained"] >= 2  # the controller's sessions reached the gateway
         assert 0 <= run["groups_replayed"] < run["groups_submitted"] and run["groups_submitted"] >= 2
+        assert 0 <= run["staleness_mean"] <= run["staleness_max"]
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
 

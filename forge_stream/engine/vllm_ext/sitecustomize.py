@@ -14,18 +14,26 @@ sleeps 5 s, its recheck interval; measured on the tiny model: a step every 5 s.)
 
 Unset, nothing is changed. The patch is applied when vLLM imports the module, so a process that never imports it is
 untouched.
+
+Always: when the model writes a `<tool_call>` block that does not parse, vLLM's hermes tool parser logs an ERROR
+with a traceback and answers the text without tool_calls. For a policy being trained that is the model's mistake,
+not the server's: the gateway records why on the Completion (`tool_call_error`) and the `invalid_tool_call` rule
+penalizes it. `ModelToolCallNote` turns that record into one WARNING line that says so.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import time
 
 MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 ENV = "FORGE_VLLM_MQ_POLL_S"
+TOOL_PARSER_LOGGER = "vllm.tool_parsers.hermes_tool_parser"
+TOOL_PARSER_FAILURES = ("Error in extracting tool call from response.", "Error trying to handle streaming tool call.")
 
 
 def _patch(module) -> None:
@@ -57,5 +65,21 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+class ModelToolCallNote(logging.Filter):
+    """Rewrites the hermes parser's ERROR and traceback for a tool call that did not parse as one WARNING line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() in TOOL_PARSER_FAILURES and record.levelno >= logging.ERROR:
+            error = record.exc_info[1] if record.exc_info else None
+            record.msg = ("the model wrote a <tool_call> block that does not parse (%s); answered as text without "
+                          "tool_calls. The gateway records why on the Completion (tool_call_error) and the "
+                          "invalid_tool_call rule penalizes it: a mistake of the policy, not of the server")
+            record.args = (f"{type(error).__name__}: {error}" if error else "no detail",)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger(TOOL_PARSER_LOGGER).addFilter(ModelToolCallNote())
 if os.environ.get(ENV):
     sys.meta_path.insert(0, _PatchOnImport())
