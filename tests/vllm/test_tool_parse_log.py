@@ -13,8 +13,12 @@ from forge_stream.settings import ForgeSettings
 
 # what vLLM 0.32's HermesToolParser does when a <tool_call> block's JSON does not load
 PARSE_FAILURE = """
-import json
+import json, logging, sys
 from vllm.tool_parsers import hermes_tool_parser
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+hermes_tool_parser.logger.addHandler(handler)
+hermes_tool_parser.logger.propagate = False
 try:
     json.loads('{"name": "calculator", "arguments": {"expression": "3 +')
 except Exception:
