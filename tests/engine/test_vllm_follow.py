@@ -8,8 +8,9 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-from forge_stream.engine import vllm_engine
-from forge_stream.engine.vllm_engine import EngineState, VersionGate, follow_policy
+from forge_stream.engine import vllm_load
+from forge_stream.engine.vllm_engine import EngineState, VersionGate
+from forge_stream.engine.vllm_load import follow_policy
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
@@ -43,7 +44,7 @@ async def _loads(bootstrap: str, interval: float, monkeypatch) -> list[tuple[int
         loads.append((version, began, time.monotonic()))
         return True
 
-    monkeypatch.setattr(vllm_engine, "load_version", load)
+    monkeypatch.setattr(vllm_load, "load_version", load)
     await asyncio.to_thread(_publish, bootstrap, run, range(1, 2))
     follower = asyncio.create_task(follow_policy(state))
     try:
