@@ -84,6 +84,8 @@ class LearningSettings:
     sft_balanced: bool = True  # half of each batch from the families short of sft_family_target
     sft_examples: int = 600
     sft_lr: float = 3e-3
+    hidden_size: int = 128  # the tiny model's width and depth (`model init --hidden-size --layers`)
+    layers: int = 2
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
     allow_outside_band: bool = False
     bootstrap_replicates: int = 2000
@@ -228,7 +230,8 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
     each = "" if s.sft_family_target is None else f", each family's {s.sft_family_target:g}{balanced}"
     progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
              f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
-    _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), env=env)
+    _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), "--hidden-size", str(s.hidden_size),
+         "--layers", str(s.layers), env=env)
     sft = _cli("sft", "--model", str(home / "init"), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
                "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
                "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),

@@ -254,6 +254,8 @@ def learning(
                                                  "improve."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
     sft_lr: float = typer.Option(3e-3, help="Warm-start SFT learning rate."),
+    hidden_size: int = typer.Option(128, help="The tiny model's width (model init --hidden-size)."),
+    layers: int = typer.Option(2, min=1, help="The tiny model's decoder layers (model init --layers)."),
     band: Tuple[float, float] = typer.Option((0.1, 0.5), help="Held-out reward (SFT's criterion, then the test "
                                                               "evaluation) a warm start must land in before RL."),
     allow_outside_band: bool = typer.Option(False, help="Run RL from a warm start outside --band anyway."),
@@ -297,7 +299,8 @@ def learning(
                                 sft_target=sft_target,
                                 sft_family_target=None if sft_family_target < 0 else sft_family_target,
                                 sft_balanced=sft_balanced,
-                                sft_examples=sft_examples, sft_lr=sft_lr, band=tuple(band),
+                                sft_examples=sft_examples, sft_lr=sft_lr, hidden_size=hidden_size, layers=layers,
+                                band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
                                 bootstrap=bootstrap_servers, home=home, plot=plot, model=model)
     try:

@@ -21,12 +21,19 @@ def init(
     arch: str = typer.Option("qwen2", help="qwen2 or llama."),
     seed: int = typer.Option(0, help="Seed of the weights and the tokenizer corpus."),
     vocab_size: int = typer.Option(2048, help="Upper bound of the BPE vocabulary."),
+    hidden_size: int = typer.Option(128, help="Width: a multiple of 64 (heads of 32, MLP twice as wide)."),
+    layers: int = typer.Option(2, min=1, help="Decoder layers."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Write a tiny model with a trained byte-level BPE tokenizer and a tool-calling chat template."""
+    from forge_stream.cli.options import user_error
     from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
 
-    emit(init_tiny_model(out, TinyModelSpec(arch=arch, seed=seed, vocab_size=vocab_size)), as_json)
+    try:
+        spec = TinyModelSpec.sized(hidden_size, layers, arch=arch, seed=seed, vocab_size=vocab_size)
+    except ValueError as e:
+        raise user_error(str(e)) from None
+    emit(init_tiny_model(out, spec), as_json)
 
 
 @app.command("import")

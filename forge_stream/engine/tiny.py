@@ -46,6 +46,21 @@ class TinyModelSpec:
     initializer_range: float = 0.1
     seed: int = 0
 
+    @classmethod
+    def sized(cls, hidden_size: int, num_layers: int, **fields) -> "TinyModelSpec":
+        """A spec of this width and depth in the default's proportions: heads of 32, half as many KV heads, an MLP
+        twice as wide.
+
+        >>> TinyModelSpec.sized(256, 3).num_heads, TinyModelSpec.sized(256, 3).intermediate_size
+        (8, 512)
+        """
+        if hidden_size < 64 or hidden_size % 64:
+            raise ValueError(f"the hidden size is a multiple of 64 (heads of 32, half as many KV heads), "
+                             f"not {hidden_size}")
+        heads = hidden_size // 32
+        return cls(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_layers=num_layers,
+                   num_heads=heads, num_kv_heads=heads // 2, **fields)
+
 
 def chat_template() -> str:
     """The ChatML chat template with tool calling shipped with the package."""

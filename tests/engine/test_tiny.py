@@ -1,5 +1,7 @@
 import hashlib
 import json
+import subprocess
+import sys
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,3 +54,21 @@ def test_chat_template_renders_tools_calls_and_results(tiny_model_dir):
            '</tool_call><|im_end|>' in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_model_init_takes_a_width_and_depth_and_refuses_a_width_heads_cannot_split(tmp_path):
+    out = tmp_path / "wide"
+    done = subprocess.run([sys.executable, "-m", "forge_stream", "model", "init", "--out", str(out), "--hidden-size",
+                           "256", "--layers", "3", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (256, 3, 512)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 4)  # heads of 32, as the default
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) == json.loads(done.stdout)["parameters"]
+
+    bad = subprocess.run([sys.executable, "-m", "forge_stream", "model", "init", "--out", str(tmp_path / "bad"),
+                          "--hidden-size", "100"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "the hidden size is a multiple of 64" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "bad").exists()
