@@ -21,12 +21,15 @@ training and test tasks are those of `mix` (the suite's `mental` family by defau
 learn), and the engine is vLLM unless told otherwise.
 
 The summary keeps every test task's score before and after RL per seed, and the improvement's 95% interval is a
-paired bootstrap over test tasks and seeds (forge_stream.bench.intervals). `test_tasks` defaults to 600: a 0/1 mean
-near 0.5 then has a 95% interval of +-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
+paired bootstrap over test tasks and seeds (forge_stream.bench.intervals); `improvement_ci95_by_template` resamples
+the tasks of one template together (four single digits to order are one problem in any order, and the reasoning
+family has 21 in the test split). `test_tasks` defaults to 600: a 0/1 mean near 0.5 then has a 95% interval of
++-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -46,8 +49,10 @@ from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.rollout.recovery import CONTROLLER_KEY
+from forge_stream.rollout.sources import load_task_source
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
+from forge_stream.tasks.suite import template_key
 from forge_stream.topics import TOPICS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -450,15 +455,36 @@ def paired_scores(baseline: dict, final: dict) -> tuple[list[str], list[float], 
     return tasks, [before[t] for t in tasks], [after[t] for t in tasks]
 
 
+def templates(s: LearningSettings, task_ids: list[str]) -> list[str] | None:
+    """Each evaluated task's template (`forge_stream.tasks.suite.template_key`: one problem, whatever its wording or
+    order), for the bootstrap by template; None when a task is not among the evaluation's."""
+    keys = {t.task_id: template_key(t.domain, {**t.prompt, **t.reference})
+            for t in itertools.islice(load_task_source(s.test_source), s.test_tasks)}
+    return [keys[t] for t in task_ids] if all(t in keys for t in task_ids) else None
+
+
+def intervals(s: LearningSettings, baseline: list[list[float]], final: list[list[float]], task_ids: list[str],
+              seed: int) -> dict:
+    """The improvement's 95% interval over tasks and seeds (`improvement_ci95`), and the same with the tasks of one
+    template resampled together (`improvement_ci95_by_template`, `test_templates`; the first over again if the
+    templates are not known)."""
+    ci = paired_bootstrap(baseline, final, replicates=s.bootstrap_replicates, seed=seed)
+    keys = templates(s, task_ids)
+    by = paired_bootstrap(baseline, final, replicates=s.bootstrap_replicates, seed=seed, clusters=keys)
+    return {"improvement_ci95": [ci["low"], ci["high"]], "improvement_ci95_by_template": [by["low"], by["high"]],
+            "test_templates": by["clusters"], "replicates": ci["replicates"]}
+
+
 def _summary(s: LearningSettings, seed: int, warm: dict, baseline: dict, final: dict, steps: list[dict],
              rl_minutes: float, served: int | None) -> dict:
     base, end = _overall(baseline), _overall(final)
     tasks, before, after = paired_scores(baseline, final)
-    ci = paired_bootstrap([before], [after], replicates=s.bootstrap_replicates, seed=seed)
+    ci = intervals(s, [before], [after], tasks, seed)
     tokens = sum(st["total_tokens"] for st in steps)
     return {
         "seed": seed, "baseline_reward": base["mean"], "final_reward": end["mean"],
-        "improvement": end["mean"] - base["mean"], "improvement_ci95": [ci["low"], ci["high"]],
+        "improvement": end["mean"] - base["mean"], "improvement_ci95": ci["improvement_ci95"],
+        "improvement_ci95_by_template": ci["improvement_ci95_by_template"], "test_templates": ci["test_templates"],
         "baseline_ci": [base["low"], base["high"]], "final_ci": [end["low"], end["high"]],
         "baseline_by_domain": {d["domain"]: d["mean"] for d in baseline["domains"] if d["domain"] != "all"},
         "final_by_domain": {d["domain"]: d["mean"] for d in final["domains"] if d["domain"] != "all"},
@@ -483,14 +509,16 @@ def summarize(s: LearningSettings, seeds: list[dict], seconds: float) -> dict:
     tasks = seeds[0]["per_task"]["task_ids"]
     if any(r["per_task"]["task_ids"] != tasks for r in seeds):
         raise RuntimeError("the seeds were evaluated on different test tasks")
-    ci = paired_bootstrap([r["per_task"]["baseline"] for r in seeds], [r["per_task"]["final"] for r in seeds],
-                          replicates=s.bootstrap_replicates, seed=s.seed)
+    ci = intervals(s, [r["per_task"]["baseline"] for r in seeds], [r["per_task"]["final"] for r in seeds], tasks,
+                   s.seed)
     mean = lambda key: sum(r[key] for r in seeds) / len(seeds)  # noqa: E731
     return {
         "baseline_reward": mean("baseline_reward"), "final_reward": mean("final_reward"),
-        "improvement": mean("improvement"), "improvement_ci95": [ci["low"], ci["high"]],
+        "improvement": mean("improvement"), "improvement_ci95": ci["improvement_ci95"],
+        "improvement_ci95_by_template": ci["improvement_ci95_by_template"], "test_templates": ci["test_templates"],
         "interval": f"95%, paired bootstrap over {len(tasks)} {s.eval_split} tasks and {len(seeds)} seeds "
-                    f"({ci['replicates']} replicates)",
+                    f"({ci['replicates']} replicates; by template: the tasks of each of the "
+                    f"{ci['test_templates']} templates resampled together)",
         "rl_minutes": max(r["rl_minutes"] for r in seeds), "loss": s.loss, "test_tasks": len(tasks),
         "eval_split": s.eval_split,
         "band": list(s.band), "seeds": seeds, "seconds_total": round(seconds, 1),

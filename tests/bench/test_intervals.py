@@ -69,3 +69,37 @@ def test_scores_must_be_paired():
         paired_bootstrap([[0.0, 1.0]], [[1.0]])
     with pytest.raises(ValueError):
         paired_bootstrap([[0.0, 1.0], [0.0]], [[1.0, 1.0], [1.0]])
+
+
+def clustered_experiment(rng: random.Random, templates: int, per_template: int, p: float):
+    """One seed; every task of a template gains the same: 1 with chance p (the template was learned), else 0. The
+    true mean improvement is p, and the tasks of one template are one draw, not `per_template`."""
+    gains = [float(rng.random() < p) for _ in range(templates)]
+    keys = [f"t{k}" for k in range(templates) for _ in range(per_template)]
+    final = [[gains[k] for k in range(templates) for _ in range(per_template)]]
+    return [[0.0] * len(keys)], final, keys
+
+
+def test_resampling_templates_covers_what_resampling_their_tasks_does_not():
+    rng = random.Random(11)
+    covered = {"tasks": 0, "templates": 0}
+    trials = 60
+    for trial in range(trials):
+        baseline, final, keys = clustered_experiment(rng, templates=30, per_template=10, p=0.3)
+        by_task = paired_bootstrap(baseline, final, replicates=400, seed=trial)
+        by_template = paired_bootstrap(baseline, final, replicates=400, seed=trial, clusters=keys)
+        assert by_template["mean"] == by_task["mean"] and by_template["clusters"] == 30
+        covered["tasks"] += by_task["low"] <= 0.3 <= by_task["high"]
+        covered["templates"] += by_template["low"] <= 0.3 <= by_template["high"]
+    assert covered["templates"] / trials >= 0.85, covered
+    assert covered["tasks"] / trials <= 0.6, covered  # 300 tasks counted as 300 draws: far too narrow
+
+
+def test_every_task_its_own_template_is_the_per_task_bootstrap():
+    rng = random.Random(5)
+    baseline, final = experiment(rng, tasks=120, seeds=3, gain=0.1)
+    plain = paired_bootstrap(baseline, final, replicates=300, seed=2)
+    singletons = paired_bootstrap(baseline, final, replicates=300, seed=2, clusters=[f"k{t}" for t in range(120)])
+    assert (singletons["low"], singletons["high"]) == (plain["low"], plain["high"])
+    with pytest.raises(ValueError, match="one cluster key per task"):
+        paired_bootstrap(baseline, final, clusters=["a", "b"])

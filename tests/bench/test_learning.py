@@ -17,11 +17,12 @@ from forge_stream.bench import cpu, learning
 from forge_stream.bench.intervals import tasks_for_half_width
 from forge_stream.cli import app
 from forge_stream.rollout.sources import load_task_source
-from forge_stream.tasks.suite import make_tasks, parse_mix
+from forge_stream.tasks.suite import make_tasks, parse_mix, template_key
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE_RUN_KEYS = {"baseline_reward", "final_reward", "improvement", "improvement_ci95", "steps", "groups_trained",
-                   "rl_minutes", "mismatch_mean", "loss", "staleness_mean", "staleness_max"}
+                   "rl_minutes", "mismatch_mean", "loss", "staleness_mean", "staleness_max",
+                   "improvement_ci95_by_template", "test_templates"}
 
 
 def warm(predicted: float) -> dict:
@@ -78,6 +79,12 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
     low, high = out["improvement_ci95"]
     assert 0.1 < low < 0.25 < high < 0.4
     assert all(SINGLE_RUN_KEYS <= set(r) for r in out["seeds"])
+    # the same scores resampled by template: these are the suite's first test tasks, so their templates are known
+    specs = {t.task_id: t for t in itertools.islice(load_task_source("suite:test"), 40)}
+    assert out["test_templates"] == len({template_key(specs[t].domain, {**specs[t].prompt, **specs[t].reference})
+                                         for t in tasks}) < 40
+    low, high = out["improvement_ci95_by_template"]
+    assert low < 0.25 < high and "by template" in out["interval"]
 
 
 def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkeypatch, tmp_path):
@@ -195,7 +202,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"improvement", "improvement_ci95", "rl_minutes", "loss", "test_tasks", "seeds", "baseline_reward",
-            "final_reward"} <= set(result)
+            "final_reward", "improvement_ci95_by_template", "test_templates"} <= set(result)
     assert result["test_tasks"] == 6 and result["loss"] == "cispo" and [r["seed"] for r in result["seeds"]] == [5, 6]
     low, high = result["improvement_ci95"]
     assert -1.0 <= low <= high <= 1.0
