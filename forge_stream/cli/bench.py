@@ -289,6 +289,13 @@ def learning(
     if not 0.0 <= replay_edge < 1.0:
         typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
         raise typer.Exit(2)
+    try:
+        from forge_stream.engine.tiny import TinyModelSpec
+
+        TinyModelSpec.sized(hidden_size, layers)
+    except ValueError as exc:
+        typer.echo(f"--hidden-size: {exc}", err=True)
+        raise typer.Exit(2) from None
     settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, engine_load_interval=engine_load_interval,
                                 loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,

@@ -185,7 +185,8 @@ def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp
     assert learning.rules(learning.LearningSettings(partial_credit=0.5)) == [f"{learning.PARTIAL_CREDIT_RULE}=0.5"]
     assert learning.rules(learning.LearningSettings()) == []
     for bad, says in ((["--eval-split", "train"], "--eval-split takes test or validation"),
-                      (["--replay-edge", "1"], "--replay-edge is a share")):
+                      (["--replay-edge", "1"], "--replay-edge is a share"),
+                      (["--hidden-size", "100"], "--hidden-size: the hidden size is a multiple of 64")):
         result = CliRunner().invoke(app, ["bench", "learning", *bad, "--home", str(tmp_path / "h")])
         assert result.exit_code == 2 and says in result.output, result.output
 
