@@ -20,16 +20,15 @@ that pretrained model instead: no tiny model and no SFT (the band is checked on 
 training and test tasks are those of `mix` (the suite's `mental` family by default: a format a chat model has to
 learn), and the engine is vLLM unless told otherwise.
 
-The summary keeps every test task's score before and after RL per seed, and the improvement's 95% interval is a
-paired bootstrap over test tasks and seeds (forge_stream.bench.intervals); `improvement_ci95_by_template` resamples
-the tasks of one template together (four single digits to order are one problem in any order, and the reasoning
-family has 21 in the test split). `test_tasks` defaults to 600: a 0/1 mean near 0.5 then has a 95% interval of
-+-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
+The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
+improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
+`improvement_ci95_by_template` resamples the tasks of one template together (four single digits to order are one
+problem in any order, and the reasoning family has 21 in the test split). `test_tasks` defaults to 600: a 0/1 mean
+near 0.5 then has a 95% interval of +-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -37,22 +36,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import httpx
 
 from forge_stream.bench.cpu import CpuParts, cpu_used, proc_tree_cpu, processes
-from forge_stream.bench.intervals import paired_bootstrap
+from forge_stream.bench.learning_result import describe, overall, seed_result, summarize
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.rollout.recovery import CONTROLLER_KEY
-from forge_stream.rollout.sources import load_task_source
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
-from forge_stream.tasks.suite import template_key
 from forge_stream.topics import TOPICS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -322,11 +319,11 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
                     "--gateway-url", gateway_url, "--bootstrap-servers", cfg.bootstrap)
         progress(f"{tag} [2/5] {s.eval_split} evaluation of the warm start ({s.test_tasks} tasks)")
         baseline = _cli(*evaluate, env=env)
-        progress(f"{tag}   {s.eval_split} reward {_describe(baseline)}")
-        reason = check_band(f"seed {seed}'s warm start: {s.eval_split} reward", _overall(baseline)["mean"], s.band)
+        progress(f"{tag}   {s.eval_split} reward {describe(baseline)}")
+        reason = check_band(f"seed {seed}'s warm start: {s.eval_split} reward", overall(baseline)["mean"], s.band)
         if reason and not s.allow_outside_band:
             raise OutsideBand(reason, {"refused": reason, "seed": seed, "warm_start": warm, "band": list(s.band),
-                                       "baseline_reward": _overall(baseline)["mean"]})
+                                       "baseline_reward": overall(baseline)["mean"]})
         progress(f"{tag} [3/5] RL for {s.rl_minutes:g} minutes ({s.loss}, lr {s.lr:g}, {s.batch_size} groups x "
                  f"G={s.group_size} a step)")
         supervisor = Supervisor(cfg.run_dir)
@@ -368,7 +365,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         engine_loads = _engine_loads(engine_url)
         progress(f"{tag} [5/5] {s.eval_split} evaluation of policy v{served}")
         final = _cli(*evaluate, "--policy-version", str(served), env=env)
-        progress(f"{tag}   {s.eval_split} reward {_describe(final)}")
+        progress(f"{tag}   {s.eval_split} reward {describe(final)}")
         steps = _train_steps(cfg.bootstrap, run_id)
         if not steps:
             raise NothingTrained(f"{tag} no training step in {s.rl_minutes:g} minutes of RL, so there is no gain "
@@ -382,7 +379,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             path = s.plot if s.seeds == 1 else s.plot.with_name(f"{s.plot.stem}-seed{seed}{s.plot.suffix}")
             plot_curves(load_curves(cfg.bootstrap, run_id), path,
                         f"forge-stream bench learning, seed {seed} ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
-        summary = _summary(s, seed, warm, baseline, final, steps, rl_minutes, served)
+        summary = seed_result(s, seed, warm, baseline, final, steps, rl_minutes, served)
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
         return {**summary, "engine": s.engine, "engine_loads": engine_loads,
@@ -423,104 +420,3 @@ def _cpu_by_service(cfg: ForgeSettings) -> CpuParts:
         if pid:
             out["kafka"] = proc_tree_cpu(pid, running)
     return out
-
-
-def _describe(result: dict) -> str:
-    by = {d["domain"]: d for d in result["domains"]}
-    overall = by.pop("all")
-    return (f"{overall['mean']:.3f} [{overall['low']:.3f}, {overall['high']:.3f}] ("
-            + ", ".join(f"{name} {d['mean']:.2f}" for name, d in sorted(by.items())) + ")")
-
-
-def _overall(result: dict) -> dict:
-    return next(d for d in result["domains"] if d["domain"] == "all")
-
-
-def per_task(result: dict) -> dict[str, float]:
-    """An evaluation's score per task (the mean of its episodes; a failed one scores 0)."""
-    by: dict[str, list[float]] = {}
-    for o in result["outcomes"]:
-        by.setdefault(o["task_id"], []).append(o["reward"])
-    return {task: sum(rewards) / len(rewards) for task, rewards in by.items()}
-
-
-def paired_scores(baseline: dict, final: dict) -> tuple[list[str], list[float], list[float]]:
-    """The tasks both evaluations scored, in one order, with each one's scores; raises if they scored different
-    tasks (a comparison over other tasks is no paired comparison)."""
-    before, after = per_task(baseline), per_task(final)
-    if set(before) != set(after):
-        raise RuntimeError(f"the evaluations before and after RL scored different test tasks "
-                           f"({len(set(before) ^ set(after))} differ)")
-    tasks = sorted(before)
-    return tasks, [before[t] for t in tasks], [after[t] for t in tasks]
-
-
-def templates(s: LearningSettings, task_ids: list[str]) -> list[str] | None:
-    """Each evaluated task's template (`forge_stream.tasks.suite.template_key`: one problem, whatever its wording or
-    order), for the bootstrap by template; None when a task is not among the evaluation's."""
-    keys = {t.task_id: template_key(t.domain, {**t.prompt, **t.reference})
-            for t in itertools.islice(load_task_source(s.test_source), s.test_tasks)}
-    return [keys[t] for t in task_ids] if all(t in keys for t in task_ids) else None
-
-
-def intervals(s: LearningSettings, baseline: list[list[float]], final: list[list[float]], task_ids: list[str],
-              seed: int) -> dict:
-    """The improvement's 95% interval over tasks and seeds (`improvement_ci95`), and the same with the tasks of one
-    template resampled together (`improvement_ci95_by_template`, `test_templates`; the first over again if the
-    templates are not known)."""
-    ci = paired_bootstrap(baseline, final, replicates=s.bootstrap_replicates, seed=seed)
-    keys = templates(s, task_ids)
-    by = paired_bootstrap(baseline, final, replicates=s.bootstrap_replicates, seed=seed, clusters=keys)
-    return {"improvement_ci95": [ci["low"], ci["high"]], "improvement_ci95_by_template": [by["low"], by["high"]],
-            "test_templates": by["clusters"], "replicates": ci["replicates"]}
-
-
-def _summary(s: LearningSettings, seed: int, warm: dict, baseline: dict, final: dict, steps: list[dict],
-             rl_minutes: float, served: int | None) -> dict:
-    base, end = _overall(baseline), _overall(final)
-    tasks, before, after = paired_scores(baseline, final)
-    ci = intervals(s, [before], [after], tasks, seed)
-    tokens = sum(st["total_tokens"] for st in steps)
-    return {
-        "seed": seed, "baseline_reward": base["mean"], "final_reward": end["mean"],
-        "improvement": end["mean"] - base["mean"], "improvement_ci95": ci["improvement_ci95"],
-        "improvement_ci95_by_template": ci["improvement_ci95_by_template"], "test_templates": ci["test_templates"],
-        "baseline_ci": [base["low"], base["high"]], "final_ci": [end["low"], end["high"]],
-        "baseline_by_domain": {d["domain"]: d["mean"] for d in baseline["domains"] if d["domain"] != "all"},
-        "final_by_domain": {d["domain"]: d["mean"] for d in final["domains"] if d["domain"] != "all"},
-        "rl_minutes": round(rl_minutes, 2), "steps": len(steps), "groups_trained": sum(st["groups"] for st in steps),
-        "groups_without_signal": sum(st.get("groups_without_signal", 0) for st in steps),
-        "rollouts_trained": sum(st["rollouts"] for st in steps), "final_policy_version": served,
-        "test_tasks": len(tasks), "loss": s.loss,
-        "mismatch_mean": sum(st["mismatch_mean"] for st in steps) / len(steps) if steps else None,
-        "mismatch_max": max((st["mismatch_max"] for st in steps), default=None),
-        "clip_fraction_mean": sum(st["clip_fraction"] for st in steps) / len(steps) if steps else None,
-        "staleness_mean": sum(st["staleness_mean"] for st in steps) / len(steps) if steps else None,
-        "staleness_max": max((st["staleness_max"] for st in steps), default=None),
-        "train_outcome_reward_first": steps[0]["outcome_reward"] if steps else None,
-        "train_outcome_reward_last": steps[-1]["outcome_reward"] if steps else None,
-        "trained_tokens": tokens, "warm_start": warm,
-        "per_task": {"task_ids": tasks, "baseline": before, "final": after},
-    }
-
-
-def summarize(s: LearningSettings, seeds: list[dict], seconds: float) -> dict:
-    """The result over seeds: means, the paired bootstrap over test tasks and seeds, and each seed's result."""
-    tasks = seeds[0]["per_task"]["task_ids"]
-    if any(r["per_task"]["task_ids"] != tasks for r in seeds):
-        raise RuntimeError("the seeds were evaluated on different test tasks")
-    ci = intervals(s, [r["per_task"]["baseline"] for r in seeds], [r["per_task"]["final"] for r in seeds], tasks,
-                   s.seed)
-    mean = lambda key: sum(r[key] for r in seeds) / len(seeds)  # noqa: E731
-    return {
-        "baseline_reward": mean("baseline_reward"), "final_reward": mean("final_reward"),
-        "improvement": mean("improvement"), "improvement_ci95": ci["improvement_ci95"],
-        "improvement_ci95_by_template": ci["improvement_ci95_by_template"], "test_templates": ci["test_templates"],
-        "interval": f"95%, paired bootstrap over {len(tasks)} {s.eval_split} tasks and {len(seeds)} seeds "
-                    f"({ci['replicates']} replicates; by template: the tasks of each of the "
-                    f"{ci['test_templates']} templates resampled together)",
-        "rl_minutes": max(r["rl_minutes"] for r in seeds), "loss": s.loss, "test_tasks": len(tasks),
-        "eval_split": s.eval_split,
-        "band": list(s.band), "seeds": seeds, "seconds_total": round(seconds, 1),
-        "settings": {k: str(v) for k, v in asdict(s).items()},
-    }

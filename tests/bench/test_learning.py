@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from forge_stream.bench import cpu, learning
+from forge_stream.bench import cpu, learning, learning_result
 from forge_stream.bench.intervals import tasks_for_half_width
 from forge_stream.cli import app
 from forge_stream.rollout.sources import load_task_source
@@ -66,7 +66,7 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
     def run_seed(s, seed, home, warm_start, progress):
         before = {t: float(i % 4 == 0) for i, t in enumerate(tasks)}
         after = {t: float(i % 4 == 0 or i % 4 == seed + 1) for i, t in enumerate(tasks)}
-        return learning._summary(s, seed, warm_start, evaluation(before), evaluation(after),
+        return learning_result.seed_result(s, seed, warm_start, evaluation(before), evaluation(after),
                                  [], 15.0 + seed, 7)
 
     monkeypatch.setattr(learning, "run_seed", run_seed)
@@ -81,7 +81,7 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
     assert all(SINGLE_RUN_KEYS <= set(r) for r in out["seeds"])
     # the same scores resampled by template: these are the suite's first test tasks, so their templates are known
     specs = {t.task_id: t for t in itertools.islice(load_task_source("suite:test"), 40)}
-    assert out["test_templates"] == len({template_key(specs[t].domain, {**specs[t].prompt, **specs[t].reference})
+    assert out["test_templates"] == len({template_key(specs[t].domain, specs[t].graded)
                                          for t in tasks}) < 40
     low, high = out["improvement_ci95_by_template"]
     assert low < 0.25 < high and "by template" in out["interval"]
@@ -94,7 +94,7 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
 
     def run_seed(s, seed, home, warm_start, progress):
         seen.update(settings=s, warm=warm_start)
-        return learning._summary(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
+        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
 
     monkeypatch.setattr(learning, "run_seed", run_seed)
     monkeypatch.setattr(learning, "_cli", lambda *a, **k: pytest.fail(f"SFT or init ran: {a}"))
@@ -158,8 +158,8 @@ def test_an_engine_that_stops_answering_is_a_clear_error_not_a_traceback(monkeyp
 
 def test_evaluations_on_different_tasks_are_no_pair():
     with pytest.raises(RuntimeError, match="different test tasks"):
-        learning.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))
-    tasks, before, after = learning.paired_scores(evaluation({"b": 0.0, "a": 1.0}), evaluation({"a": 0.0, "b": 1.0}))
+        learning_result.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))
+    tasks, before, after = learning_result.paired_scores(evaluation({"b": 0.0, "a": 1.0}), evaluation({"a": 0.0, "b": 1.0}))
     assert (tasks, before, after) == (["a", "b"], [1.0, 0.0], [0.0, 1.0])
 
 
