@@ -43,7 +43,7 @@ from typing import Callable
 import httpx
 
 from forge_stream.bench.cpu import CpuParts, cpu_used, proc_tree_cpu, processes
-from forge_stream.bench.learning_result import describe, overall, seed_result, summarize
+from forge_stream.bench.learning_result import describe, describe_kinds, overall, seed_result, summarize
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
@@ -380,6 +380,8 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             plot_curves(load_curves(cfg.bootstrap, run_id), path,
                         f"forge-stream bench learning, seed {seed} ({s.loss}, {rl_minutes:.1f} min RL on 2 CPU cores)")
         summary = seed_result(s, seed, warm, baseline, final, steps, rl_minutes, served)
+        if summary["by_kind"]:
+            progress(f"{tag}   {describe_kinds(summary['by_kind'])}")
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
         return {**summary, "engine": s.engine, "engine_loads": engine_loads,

@@ -43,8 +43,10 @@ def probe_command(
     seed: int = typer.Option(0, help="Seed of the test stream."),
     mix: Optional[str] = typer.Option(None, help="Domain weights, e.g. 'reasoning=1,agent=2,lookup=1'."),
     difficulty: int = typer.Option(1, help="Task difficulty."),
+    by_kind: bool = typer.Option(False, "--by-kind", help="Per kind of task (a lookup key, an agent operator and "
+                                 "answer length, a reasoning template) instead of per domain."),
 ) -> None:
-    """Teacher-forced: per domain and turn, how likely the policy produces the ideal turn, and its worst tokens
+    """Teacher-forced: per domain (or kind of task) and turn, how likely the policy produces the ideal turn, and its worst tokens
     (forge_stream/tasks/probe.py)."""
     import json
 
@@ -56,5 +58,5 @@ def probe_command(
 
     path = model or settings(None).model_dir
     report = probe(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), n, seed,
-                   parse_mix(mix), difficulty)
+                   parse_mix(mix), difficulty, by_kind=by_kind)
     typer.echo(json.dumps(report, indent=1))

@@ -5,7 +5,9 @@ renders it, and the policy scores each assistant turn's tokens given the right p
 reports the probability of producing the whole turn right at temperature 1 and, split into digit and other
 tokens, how often the right token is the most likely one and its mean probability. A turn whose argmax is right
 but whose probability is low is a skill RL only has to sharpen; an argmax that is wrong is one it has to teach.
-`forge-stream tasks probe --model DIR` prints it; the worst tokens (with their context) name what fails.
+`forge-stream tasks probe --model DIR` prints it; the worst tokens (with their context) name what fails. `--by-kind`
+reports per kind of task and turn instead (`task_kind`: a lookup key, an agent operator with its answer's length, a
+reasoning template): which keys the policy calls right, which answers it copies.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forge_stream.tasks.suite import make_tasks
+from forge_stream.tasks.suite import make_tasks, task_kind
 from forge_stream.tasks.teacher import demonstration
 from forge_stream.trainer.sft import render_turns
 
@@ -40,8 +42,9 @@ class TurnStats:
 
 
 def probe(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] | None = None,
-          difficulty: int = 1, worst: int = 10) -> dict:
-    """The probe's report: {"turns": {"<domain>/<turn>": {...}}, "worst_tokens": [...]}."""
+          difficulty: int = 1, worst: int = 10, by_kind: bool = False) -> dict:
+    """The probe's report: {"turns": {"<domain>/<turn>": {...}}, "worst_tokens": [...]}; with by_kind, the turns are
+    "<kind>/<turn>"."""
     stats: dict[tuple[str, int], TurnStats] = collections.defaultdict(TurnStats)
     misses: collections.Counter = collections.Counter()
     model.eval()
@@ -54,7 +57,7 @@ def probe(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] |
                 target = torch.tensor(turn.completion_ids)
                 right = logprobs.gather(1, target[:, None])[:, 0]
                 top = logprobs.argmax(-1)
-                entry = stats[(task.domain, k)]
+                entry = stats[(task_kind(task.domain, task.graded) if by_kind else task.domain, k)]
                 entry.turns += 1
                 entry.p_turn_right += float(right.sum().exp())
                 for j, token in enumerate(turn.completion_ids):

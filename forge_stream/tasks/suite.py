@@ -137,6 +137,27 @@ def template_key(domain: str, task: dict) -> str:
     return f"{domain}:{','.join(sorted(NUMBER.findall(task['question']), key=int))}"
 
 
+def task_kind(domain: str, task: dict) -> str:
+    """A coarser grouping than the template, for reading where RL wins and loses: for lookup the key asked, for
+    agent the operator and the answer's digit count, for reasoning the template. A small policy tends to solve a
+    kind all or nothing (one key's call, a six-digit result's copy), so a result broken down by kind shows which
+    skills RL gained and which it lost.
+
+    >>> task_kind("lookup", {"question": "What is stored under tern?", "answer": "532"})
+    'lookup:tern'
+    >>> task_kind("agent", {"question": "What is 951 * 305?", "answer": "290055"})
+    'agent:*6'
+    >>> task_kind("reasoning", {"question": "Order 8, 3, 1 and 6 from largest to smallest."})
+    'reasoning:1,3,6,8'
+    """
+    if domain == "lookup":
+        return "lookup:" + task["question"].removeprefix("What is stored under ").removesuffix("?")
+    if domain == "agent":
+        operator = next(op for op in "+-*" if f" {op} " in task["question"])
+        return f"agent:{operator}{len(task['answer'].lstrip('-'))}"
+    return template_key(domain, task)
+
+
 def split_of(domain: str, task: dict) -> str:
     """'train', 'validation' or 'test', from a hash of the task's template key."""
     digest = int.from_bytes(hashlib.sha256(template_key(domain, task).encode()).digest()[:8], "big")

@@ -17,7 +17,7 @@ from forge_stream.bench import cpu, learning, learning_result
 from forge_stream.bench.intervals import tasks_for_half_width
 from forge_stream.cli import app
 from forge_stream.rollout.sources import load_task_source
-from forge_stream.tasks.suite import make_tasks, parse_mix, template_key
+from forge_stream.tasks.suite import make_tasks, parse_mix, task_kind, template_key
 
 REPO = Path(__file__).resolve().parents[2]
 SINGLE_RUN_KEYS = {"baseline_reward", "final_reward", "improvement", "improvement_ci95", "steps", "groups_trained",
@@ -85,6 +85,38 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
                                          for t in tasks}) < 40
     low, high = out["improvement_ci95_by_template"]
     assert low < 0.25 < high and "by template" in out["interval"]
+    assert out["footholds"]["won"] == sum(r["by_kind"]["won"] for r in out["seeds"])
+
+
+def test_by_kind_counts_the_footholds_rl_won_and_lost():
+    """Three kinds start with a foothold (about 0.3): RL takes one to 1.0, loses one to 0.0 and leaves one at about
+    0.5; the rest start and end at 0 and are no footholds."""
+    s = learning.LearningSettings()
+    ids = [t.task_id for t in itertools.islice(load_task_source(s.test_source), s.test_tasks)]
+    kind = {t.task_id: task_kind(t.domain, t.graded) for t in itertools.islice(load_task_source(s.test_source), 600)}
+    members: dict[str, list[str]] = {}
+    for t in ids:
+        members.setdefault(kind[t], []).append(t)
+    won, lost, kept = [k for k, ts in members.items() if len(ts) >= 10][:3]
+    before, after = dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0.0)
+    for k, final in ((won, lambda i, n: 1.0), (lost, lambda i, n: 0.0), (kept, lambda i, n: float(i < n // 2))):
+        n = len(members[k])
+        for i, t in enumerate(members[k]):
+            before[t], after[t] = float(i < round(0.3 * n)), final(i, n)
+    result = learning_result.kinds(s, ids, [before[t] for t in ids], [after[t] for t in ids])
+    assert (result["footholds"], result["won"], result["lost"]) == (3, 1, 1)
+    assert result["kinds"][won]["final"] == 1.0 and 0.25 <= result["kinds"][lost]["baseline"] <= 0.35
+    assert sum(v["tasks"] for v in result["kinds"].values()) == len(ids)
+    # by chance a kind of 10 or more tasks solved at 0.3 scores 0.8 or more less than once in 600 draws, 0.2 or
+    # less at most 0.38 of the time (less the more tasks it has)
+    assert result["won_by_chance"] < 0.01 and 0.05 < result["lost_by_chance"] < 3 * 0.38
+    start = result["by_start"]
+    assert start["foothold"]["tasks"] == sum(len(members[k]) for k in (won, lost, kept))
+    assert start["below"]["tasks"] + start["foothold"]["tasks"] == len(ids) and start["above"]["tasks"] == 0
+    assert start["below"]["final"] == 0.0 and start["foothold"]["baseline"] == pytest.approx(0.3, abs=0.03)
+    line = learning_result.describe_kinds(result)
+    assert "of 3 such kinds RL took 1 to 0.8 or more" in line and "no kind it mostly could" in line
+    assert learning_result.kinds(s, ["not-a-suite-task"], [0.0], [1.0]) is None
 
 
 def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkeypatch, tmp_path):
@@ -220,7 +252,9 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert run["steps"] >= 1 and run["groups_trained"] >= 2  # the controller's sessions reached the gateway
         assert 0 <= run["groups_replayed"] < run["groups_submitted"] and run["groups_submitted"] >= 2
         assert 0 <= run["staleness_mean"] <= run["staleness_max"]
+        assert sum(v["tasks"] for v in run["by_kind"]["kinds"].values()) == 6  # the same tasks, by kind
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
+    assert "[seed 6]   by kind of task:" in out.stderr
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
 
 

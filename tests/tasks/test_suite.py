@@ -153,3 +153,8 @@ def test_probe_scores_the_teacher_conversation_turn_by_turn(tiny_model_dir):
         assert 0 <= turn["other"]["argmax_right"] <= 1 and turn["other"]["tokens"] > 0
     assert report["turns"]["agent/0"]["digit"]["tokens"] >= 6  # the operands of each calculator call
     assert report["worst_tokens"] and report["worst_tokens"][0]["count"] >= report["worst_tokens"][-1]["count"]
+    by_kind = probe(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                    AutoTokenizer.from_pretrained(tiny_model_dir), n=30, seed=3, mix={"lookup": 1.0}, by_kind=True)
+    keys = {k.split("/")[0] for k in by_kind["turns"]}
+    assert len(keys) > 5 and all(k.startswith("lookup:") for k in keys)  # one row per key asked
+    assert sum(t["turns"] for k, t in by_kind["turns"].items() if k.endswith("/0")) == 30
