@@ -46,8 +46,8 @@ def probe_command(
     by_kind: bool = typer.Option(False, "--by-kind", help="Per kind of task (a lookup key, an agent operator and "
                                  "answer length, a reasoning template) instead of per domain."),
 ) -> None:
-    """Teacher-forced: per domain (or kind of task) and turn, how likely the policy produces the ideal turn, and its worst tokens
-    (forge_stream/tasks/probe.py)."""
+    """Teacher-forced: per domain (or kind of task) and turn, how likely the policy produces the ideal turn, and its
+    worst tokens (forge_stream/tasks/probe.py)."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
