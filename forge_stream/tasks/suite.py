@@ -105,6 +105,15 @@ def lookup(rng: random.Random, difficulty: int) -> dict:
     return {"question": f"What is stored under {key}?", "answer": store[key], "store": store}
 
 
+def lookup_key(question: str) -> str:
+    """The key a lookup question asks for.
+
+    >>> lookup_key("What is stored under tern?")
+    'tern'
+    """
+    return question.removeprefix("What is stored under ").removesuffix("?")
+
+
 def mental(rng: random.Random, difficulty: int) -> dict:
     """The sum of two (difficulty + 1)-digit numbers, answered directly (no tool needed)."""
     digits = max(1, difficulty) + 1
@@ -132,8 +141,7 @@ def template_key(domain: str, task: dict) -> str:
     'lookup:tern=532'
     """
     if domain == "lookup":
-        key = task["question"].removeprefix("What is stored under ").removesuffix("?")
-        return f"lookup:{key}={task['answer']}"
+        return f"lookup:{lookup_key(task['question'])}={task['answer']}"
     return f"{domain}:{','.join(sorted(NUMBER.findall(task['question']), key=int))}"
 
 
@@ -151,7 +159,7 @@ def task_kind(domain: str, task: dict) -> str:
     'reasoning:1,3,6,8'
     """
     if domain == "lookup":
-        return "lookup:" + task["question"].removeprefix("What is stored under ").removesuffix("?")
+        return f"lookup:{lookup_key(task['question'])}"
     if domain == "agent":
         operator = next(op for op in "+-*" if f" {op} " in task["question"])
         return f"agent:{operator}{len(task['answer'].lstrip('-'))}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from forge_stream.tasks.suite import SYSTEM
+from forge_stream.tasks.suite import SYSTEM, lookup_key
 
 
 def _call(name: str, arguments: dict) -> dict:
@@ -33,7 +33,7 @@ def demonstration(task: dict, domain: str) -> list[dict]:
         messages += [_call("calculator", {"expression": expression}),
                      {"role": "tool", "tool_call_id": "call_0", "content": task["answer"]}]
     elif domain == "lookup":
-        key = task["question"].removeprefix("What is stored under ").removesuffix("?")
+        key = lookup_key(task["question"])
         messages += [_call("lookup", {"key": key}),
                      {"role": "tool", "tool_call_id": "call_0", "content": task["store"][key]}]
     messages.append({"role": "assistant", "content": task["answer"]})
