@@ -4,6 +4,11 @@ Tools: `calculator(expression)` (arithmetic only) and `lookup(key)`, which reads
 (`task["store"]`). The agent asks the model, runs the tools it calls, feeds the results back, and stops when the
 model answers without a tool call (or after `max_turns`); its answer is the last assistant message.
 
+A task may shape the scaffold (the suite's families for a pretrained model do): `system` replaces the system prompt,
+`tools` names the tools offered (`[]`: none, the model answers directly), and `calls` lists tool calls the scaffold
+makes itself before it asks the model, as a planner's first step or a retriever does: each runs, and its call and
+result join the conversation as an assistant tool call and its tool message, so the model answers from the result.
+
 Two modes, nothing forge-specific in either:
 
 - single shot: the task JSON comes from FORGE_TASK_JSON (or stdin), the endpoint from OPENAI_BASE_URL and
@@ -54,10 +59,27 @@ def run_tool(task: dict, name: str, arguments: str) -> str:
         return f"error: {type(exc).__name__}: {exc}"
 
 
+def offered(task: dict) -> list[dict]:
+    """The tools the task's scaffold offers the model: all of them unless the task names some (or none)."""
+    names = task.get("tools")
+    return TOOLS if names is None else [t for t in TOOLS if t["function"]["name"] in names]
+
+
 def ask(client: OpenAI, task: dict, messages: list[dict]):
+    tools = offered(task)
     return client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, max_tokens=int(task.get("max_tokens", 32)),
-        temperature=float(task.get("temperature", 1.0)))
+        model=MODEL, messages=messages, max_tokens=int(task.get("max_tokens", 32)),
+        temperature=float(task.get("temperature", 1.0)), **({"tools": tools} if tools else {}))
+
+
+def scaffold_calls(task: dict, messages: list[dict]) -> None:
+    """The tool calls the scaffold makes itself before the model is asked (`task["calls"]`), with their results."""
+    for index, call in enumerate(task.get("calls") or []):
+        arguments = json.dumps(call.get("arguments") or {})
+        call_id = f"call_scaffold_{index}"
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": arguments}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": run_tool(task, call["name"], arguments)})
 
 
 def run_tools(task: dict, messages: list[dict], message) -> bool:
@@ -70,7 +92,8 @@ def run_tools(task: dict, messages: list[dict], message) -> bool:
 
 
 def solve(client: OpenAI, task: dict) -> str:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+    messages = [{"role": "system", "content": task.get("system", SYSTEM)}, {"role": "user", "content": task["question"]}]
+    scaffold_calls(task, messages)
     content = ""
     for _ in range(int(task.get("max_turns", 3))):
         message = ask(client, task, messages).choices[0].message

@@ -17,8 +17,9 @@ measured held-out reward of the warm start, is outside, unless told to go on (`a
 
 With `model` (a model directory, or a known name such as smollm2-135m, imported on first use) the run starts from
 that pretrained model instead: no tiny model and no SFT (the band is checked on its measured test reward), the
-training and test tasks are those of `mix` (the suite's `mental` family by default: a format a chat model has to
-learn), and the engine is vLLM unless told otherwise.
+training and test tasks are those of `mix` (the suite's `PRETRAINED_MIX` by default: families chosen by the model's
+measured baseline, see forge_stream/tasks/suite.py), sampled at `temperature` (0.7 by default there: the trainer
+scores each token at the temperature it was sampled at), and the engine is vLLM unless told otherwise.
 
 The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
 improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
@@ -96,6 +97,7 @@ class LearningSettings:
     plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
     model: str | None = None  # a pretrained model (directory or known name) to start from instead of a warm start
     eval_split: str = "test"  # "validation" to choose settings: the test split is for reporting only
+    temperature: float | None = None  # what the agent samples at, training and evaluation alike (None: its default, 1)
 
     def __post_init__(self):
         if self.eval_split not in ("test", "validation"):
@@ -105,7 +107,8 @@ class LearningSettings:
     def test_source(self) -> str:
         """The evaluation's tasks: the suite's test split (or validation, to choose settings), the same whatever
         the mix for the tiny model; of the mix's families for a pretrained model."""
-        return f"suite:{self.eval_split}?mix={self.mix}" if self.model else f"suite:{self.eval_split}"
+        source = f"suite:{self.eval_split}?mix={self.mix}" if self.model else f"suite:{self.eval_split}"
+        return source + self._sampling(first="&" if self.model else "?")
 
     def training_source(self, seed: int) -> str:
         """Seed `seed`'s RL stream. It starts past the tasks the seed's warm start was shown (`sft --examples N` on
@@ -115,7 +118,10 @@ class LearningSettings:
         'suite:train?seed=2&mix=reasoning=1,agent=1,lookup=1&skip=600'
         """
         skip = 0 if self.model else self.sft_examples
-        return f"suite:train?seed={seed}&mix={self.mix}" + (f"&skip={skip}" if skip else "")
+        return f"suite:train?seed={seed}&mix={self.mix}" + (f"&skip={skip}" if skip else "") + self._sampling()
+
+    def _sampling(self, first: str = "&") -> str:
+        return "" if self.temperature is None else f"{first}temperature={self.temperature:g}"
 
 
 class OutsideBand(Exception):

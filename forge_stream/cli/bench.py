@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 
 from forge_stream.cli.options import JsonOption, user_error
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.tasks.suite import PRETRAINED_MIX
 
 
 class _StopsOnSigterm(TyperGroup):
@@ -243,8 +244,10 @@ def learning(
     eval_split: str = typer.Option("test", help="Evaluate on test (to report) or validation (to choose settings: "
                                                 "the test split stays untouched)."),
     mix: Optional[str] = typer.Option(None, help="Domain weights of the training tasks (default: "
-                                                 "reasoning=1,agent=1,lookup=1; with --model, mental=1, which the "
-                                                 "test evaluation then uses too)."),
+                                                 f"reasoning=1,agent=1,lookup=1; with --model, {PRETRAINED_MIX}, "
+                                                 "which the test evaluation then uses too)."),
+    temperature: Optional[float] = typer.Option(None, min=0.0, help="Sampling temperature of the agent, in "
+                                                "training and evaluation (default: 1; with --model, 0.7)."),
     sft_max_steps: int = typer.Option(3000, help="Warm-start SFT step budget."),
     sft_target: float = typer.Option(0.2, help="Held-out predicted reward at which the warm start's SFT stops."),
     sft_family_target: float = typer.Option(0.1, help="The warm start's SFT also goes on until each task family's "
@@ -273,7 +276,8 @@ def learning(
     """Per seed: warm start, test eval, RL through the whole pipeline for a fixed budget, test eval again; the
     improvement's 95% interval over test tasks and seeds. Refuses (exit 3) a warm start outside --band."""
     engine_kind = engine_kind or ("vllm" if model else "torch")
-    mix = mix or ("mental=1" if model else "reasoning=1,agent=1,lookup=1")
+    mix = mix or (PRETRAINED_MIX if model else "reasoning=1,agent=1,lookup=1")
+    temperature = temperature if temperature is not None else (0.7 if model else None)
     lr = lr if lr is not None else (1e-5 if model else 1e-4)
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
     if engine_load_interval is None:
@@ -309,7 +313,8 @@ def learning(
                                 sft_examples=sft_examples, sft_lr=sft_lr, hidden_size=hidden_size, layers=layers,
                                 band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
-                                bootstrap=bootstrap_servers, home=home, plot=plot, model=model)
+                                bootstrap=bootstrap_servers, home=home, plot=plot, model=model,
+                                temperature=temperature)
     try:
         result = run(settings, progress=lambda line: typer.echo(line, err=True))
     except OutsideBand as exc:

@@ -5,7 +5,7 @@ A source is any re-iterable of `TaskSpec`: iterating it again starts it over (th
 
 - a path: a JSONL file, one task a line (`task_id`, `prompt`, and optionally `reference`, `domain`, `grader`,
   `group_size`, `metadata`); it is read again each time it is iterated, so edits show up on the next cycle;
-- `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..&skip=..]`: the shipped task suite
+- `suite:<split>[?seed=..&mix=..&difficulty=..&group_size=..&temperature=..&skip=..]`: the shipped task suite
   (`forge_stream.tasks.suite.iter_tasks`), an endless seeded stream of one of its fixed splits (`train`,
   `validation`, `test`; `heldout` is `test`); `mix` is `agent=2,lookup=1`; `skip=N` starts the stream at its task
   N (e.g. past the N tasks `forge-stream sft --examples N` demonstrated from the same seed and mix). Which tasks
@@ -79,13 +79,15 @@ class SuiteTasks:
                 kwargs["mix"] = parse_mix(value)
             elif name in ("seed", "difficulty", "group_size", "max_tokens"):
                 kwargs[name] = int(value)
+            elif name == "temperature":
+                kwargs[name] = float(value)
             elif name == "skip":
                 skip = int(value)
                 if skip < 0:
                     raise ValueError(f"suite:{self.split}: skip must be 0 or more, not {skip}")
             else:
                 raise ValueError(f"suite:{self.split}: unknown option {name!r} "
-                                 "(known: seed, mix, difficulty, group_size, max_tokens, skip)")
+                                 "(known: seed, mix, difficulty, group_size, max_tokens, temperature, skip)")
         return itertools.islice(iter_tasks(self.split, **kwargs), skip, None)
 
 

@@ -12,16 +12,26 @@ Three domains, mixed in one run (unified mixed-domain training):
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
   as the `lookup` tool; the model must call it with the right key and copy the value.
 
-One more family is in no default mix, for a pretrained model (`bench learning --model`), which the tiny model cannot
-learn:
+Three more families are in no default mix: they are for a pretrained chat model (`bench learning --model`, the
+`PRETRAINED_MIX`), which the tiny model cannot learn. Each task of them shapes the example agent's scaffold: the system
+prompt is "Answer with numbers only." (`PLAIN_SYSTEM`), and only the tools the family needs are offered. They are graded
+by the last number of the reply (`numeric`): a chat model restates the question ("8 * 17 = 136"), and none of the
+question's numbers is ever the answer, so no trivial reply scores. Their measured baselines, and why each was chosen:
+docs/learning/graders.md.
 
-- mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly, graded by the last
-  number of the reply (`numeric`): "34 + 58 = 92" is right, and so is any reply that ends on the sum within its
-  token budget. A small pretrained chat model (SmolLM2-135M) rambles, adds wrongly, or runs out of tokens before the
-  sum; none of the trivial replies can score, since the sum of two positive numbers is neither of them.
+- times: "What is 8 * 17?" (difficulty d: a one-digit number and one of 2 to 10 (d + 1) + 9, in either order),
+  answered directly with no tools offered. SmolLM2-135M-Instruct gets about one in six right at temperature 0.7,
+  and rambles ("To solve 8 * 17, we need to perform...") until its tokens run out on many more. One-digit plus
+  two-digit sums, which look easier, it gets 2-3% right: its multiplication table is better than its addition.
+- copy: "What is 4821 * 3907?" where the scaffold has already called the `calculator` on the question's expression (a
+  planner's first step: the task's `calls`), so the model answers with the tool's result in its context, or not:
+  SmolLM2 often restates it wrongly or redoes the arithmetic itself. The one tool-using family a small pretrained
+  model can start on (it writes no tool call of its own).
+- mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly: SmolLM2 gets 2-8% of them
+  right, too few groups with a signal to learn from (kept for comparison).
 
 The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
-The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family but mental is `numbers`: the
+The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family of the default mix is `numbers`: the
 numbers of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
 question, every candidate) scores 0. What trivial policies score, and the teacher: docs/learning/graders.md.
 
@@ -114,16 +124,40 @@ def lookup_key(question: str) -> str:
     return question.removeprefix("What is stored under ").removesuffix("?")
 
 
+PLAIN_SYSTEM = "Answer with numbers only."
+
+
 def mental(rng: random.Random, difficulty: int) -> dict:
-    """The sum of two (difficulty + 1)-digit numbers, answered directly (no tool needed)."""
+    """The sum of two (difficulty + 1)-digit numbers, answered directly, no tools offered."""
     digits = max(1, difficulty) + 1
     a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
-    return {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+    return {"question": f"What is {a} + {b}?", "answer": str(a + b), "system": PLAIN_SYSTEM, "tools": []}
 
 
+def times(rng: random.Random, difficulty: int) -> dict:
+    """A one-digit number (2-9) times one of 2 to 10 * (difficulty + 1) + 9, in either order, answered directly, no
+    tools offered."""
+    small, large = rng.randint(2, 9), rng.randint(2, 10 * (max(1, difficulty) + 1) + 9)
+    a, b = (small, large) if rng.random() < 0.5 else (large, small)
+    return {"question": f"What is {a} * {b}?", "answer": str(a * b), "system": PLAIN_SYSTEM, "tools": []}
+
+
+def copy(rng: random.Random, difficulty: int) -> dict:
+    """A product of two (difficulty + COPY_DIGITS)-digit numbers that the scaffold has the calculator work out before
+    the model is asked (`calls`): the model must copy the tool's result."""
+    digits = max(1, difficulty) + COPY_DIGITS
+    a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
+    expression = f"{a} * {b}"
+    return {"question": f"What is {expression}?", "answer": str(a * b), "system": PLAIN_SYSTEM,
+            "tools": ["calculator"], "calls": [{"name": "calculator", "arguments": {"expression": expression}}]}
+
+
+COPY_DIGITS = 3  # copy's operands at difficulty 1: four digits each, a seven- or eight-digit product
 FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reasoning, "agent": agent,
-                                                            "lookup": lookup, "mental": mental}
-GRADERS = {"mental": "numeric"}  # a family's grader when it is not `numbers`
+                                                            "lookup": lookup, "mental": mental, "times": times,
+                                                            "copy": copy}
+GRADERS = {"mental": "numeric", "times": "numeric", "copy": "numeric"}  # a family's grader when it is not `numbers`
+PRETRAINED_MIX = "times=1,copy=1"  # bench learning --model's default: the families a pretrained chat model starts on
 
 
 NUMBER = re.compile(r"-?\d+")
@@ -163,6 +197,8 @@ def task_kind(domain: str, task: dict) -> str:
     if domain == "agent":
         operator = next(op for op in "+-*" if f" {op} " in task["question"])
         return f"agent:{operator}{len(task['answer'].lstrip('-'))}"
+    if domain in ("times", "copy", "mental"):
+        return f"{domain}:{len(task['answer'])}"
     return template_key(domain, task)
 
 
@@ -182,9 +218,9 @@ def _mix(mix: dict[str, float] | None) -> tuple[list[str], list[float]]:
 
 
 def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, difficulty: int = 1,
-               group_size: int = 8, max_tokens: int = 32) -> Iterator[TaskSpec]:
+               group_size: int = 8, max_tokens: int = 32, temperature: float | None = None) -> Iterator[TaskSpec]:
     """An endless seeded stream of tasks of one split ('train', 'validation' or 'test'; 'heldout' is 'test'), domains
-    drawn by `mix` weights."""
+    drawn by `mix` weights. `temperature`: what the agent samples at (the example agent's default is 1)."""
     split = ALIASES.get(split, split)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)} (or heldout, the test split), not {split!r}")
@@ -197,7 +233,8 @@ def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, d
             if split_of(domain, instance) == split:
                 break
         answer = instance.pop("answer")
-        yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, "max_tokens": max_tokens},
+        sampling = {"max_tokens": max_tokens, **({} if temperature is None else {"temperature": temperature})}
+        yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, **sampling},
                        domain=domain, grader=GRADERS.get(domain, "numbers"), group_size=group_size,
                        metadata={"difficulty": str(difficulty), "split": split}, reference={"answer": answer})
 

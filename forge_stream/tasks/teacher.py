@@ -25,9 +25,12 @@ def _call(name: str, arguments: dict) -> dict:
 
 
 def demonstration(task: dict, domain: str) -> list[dict]:
-    """The ideal messages for one task (as its grader sees it: `question`, `answer`, `store`): [system, user,
-    (tool call, tool result)?, answer]."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+    """The ideal messages for one task (as its grader sees it: `question`, `answer`, `store`, and the scaffold's
+    `system` and `calls` where the task has them): [system, user, (tool call, tool result)?, answer]."""
+    messages = [{"role": "system", "content": task.get("system", SYSTEM)}, {"role": "user", "content": task["question"]}]
+    for call in task.get("calls") or []:  # the scaffold's own calls (copy): the calculator's result is the answer
+        messages += [_call(call["name"], call["arguments"]),
+                     {"role": "tool", "tool_call_id": "call_0", "content": task["answer"]}]
     if domain == "agent":
         expression = task["question"].removeprefix("What is ").removesuffix("?")
         messages += [_call("calculator", {"expression": expression}),

@@ -2,13 +2,14 @@
 first or last number, nothing) score about nothing, and the scripted teacher's answers score 1. The measured values
 are in docs/learning/graders.md."""
 
+import collections
 import itertools
 import re
 
 import pytest
 
 from forge_stream.rollout.graders import resolve
-from forge_stream.tasks.suite import DOMAINS, FAMILIES, make_tasks
+from forge_stream.tasks.suite import DOMAINS, FAMILIES, PRETRAINED_MIX, make_tasks, parse_mix
 from forge_stream.tasks.teacher import demonstration
 
 FLOOR = 0.05
@@ -37,8 +38,28 @@ def mean_score(tasks, reply) -> float:
 
 
 def test_every_family_is_covered():
-    """The default mix has every family but `mental`, which is there for a pretrained model."""
-    assert set(DOMAINS) | {"mental"} == set(FAMILIES)
+    """The default mix has every family but those for a pretrained model."""
+    assert set(DOMAINS) | {"mental"} | set(parse_mix(PRETRAINED_MIX)) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("domain", FAMILIES)
+def test_no_constant_answer_beats_the_floor(domain):
+    """The best constant reply (the family's most common answer) is right at most 5% of the time."""
+    answers = collections.Counter(t.graded["answer"] for t in _tasks(domain))
+    assert answers.most_common(1)[0][1] / sum(answers.values()) <= FLOOR
+
+
+def test_the_pretrained_families_shape_the_scaffold():
+    """times offers no tool; copy offers the calculator and has the scaffold call it on the question's expression
+    first, so the tool's result (the answer) is in the model's context before it is asked; neither tells the
+    agent the answer in any other way."""
+    for task in _tasks("times")[:50]:
+        assert task.prompt["tools"] == [] and "calls" not in task.prompt and "answer" not in task.prompt
+    for task in _tasks("copy")[:50]:
+        (call,) = task.prompt["calls"]
+        assert task.prompt["tools"] == ["calculator"] and call["name"] == "calculator"
+        assert f"What is {call['arguments']['expression']}?" == task.prompt["question"]
+        assert eval(call["arguments"]["expression"]) == int(task.graded["answer"])  # noqa: S307 - digits and '*'
 
 
 @pytest.mark.parametrize("domain", FAMILIES)
