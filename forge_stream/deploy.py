@@ -361,7 +361,8 @@ def _all_hosts(topology: Topology) -> list[str]:
 def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None = None) -> dict:
     """Start the broker (if embedded), create missing topics and check every topic against the catalog (raising
     TopicMismatch, with the fix, before anything starts), start the supervisor and through it the services placed
-    on `host` (None: those placed on no host); returns where everything is."""
+    on `host` (None: those placed on no host), saying which already run (they are left as they are); returns where
+    everything is."""
     settings = topology.settings_for(settings)
     placements = plan(settings, topology, host)
     if host is not None and not placements:
@@ -377,11 +378,16 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
                 if topology.hosts else "."))
     placements = plan(settings, topology, host, creds)
     supervisor = Supervisor(settings.run_dir)
+    running = {name: s["pid"] for name, s in supervisor.status().items() if s["running"]}
     if settings.embedded:
-        echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
+        echo(f"The embedded Kafka broker already runs (pid {running[BROKER]})." if BROKER in running else
+             f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
         start_broker(settings, supervisor, echo)
-    echo(f"Kafka at {settings.bootstrap}; creating topics...")
+    echo(f"Kafka at {settings.bootstrap}; checking the topics...")
     topics = create_topics(settings.bootstrap, replication=settings.replication)
+    made = [name for name, done in topics.items() if done == "created"]
+    if made:
+        echo(f"Created {len(made)} topics.")
     check_topics(settings.bootstrap, replication=settings.replication)
     settings.record_deployment()  # `status`, `down`, `rollout`... from any shell find this Kafka
     names = [p.spec.name for p in placements]
@@ -393,8 +399,9 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
         ensure_runtime(settings.cache_dir, echo=echo)
     started = {}
     for placement in placements:
-        echo(f"Starting {placement.spec.name}...")
-        started[placement.spec.name] = supervisor.start(placement.spec)
+        name = placement.spec.name
+        echo(f"{name} already runs (pid {running[name]})." if name in running else f"Starting {name}...")
+        started[name] = supervisor.start(placement.spec)
     return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
             "topics": topics, "supervisor": supervisor.daemon_pid(),
             "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}
