@@ -1,6 +1,6 @@
-"""The pages' Python snippets run as a reader runs them: the README's (and Getting started's) Avro reader, against a
-real deployment (`forge-stream up` of the broker and the schema registry) on ports other than the defaults, from a
-shell that knows only the home."""
+"""What the pages tell a newcomer is what runs: the README's (and Getting started's) Avro reader, run as a reader
+runs it against a real deployment (`forge-stream up` of the broker and the schema registry) on ports other than the
+defaults, from a shell that knows only the home; the setup page's warm start, as `up` runs it."""
 
 import os
 import re
@@ -51,3 +51,14 @@ def test_the_avro_reader_of_the_readme_reads_a_reward_of_a_deployment_on_other_p
         assert done.stderr == ""  # no line of librdkafka's connection errors
     finally:
         subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
+
+
+def test_the_setup_page_states_the_warm_start_the_demo_model_gets():
+    """`up` warm-starts the demo model with SftSettings' defaults (deploy.demo_model): the page says when it stops."""
+    from forge_stream.trainer.sft import SftSettings
+
+    defaults = SftSettings(base_model=Path("."), out=Path("."))
+    page = " ".join((REPO / "docs" / "benchmarks" / "setup.md").read_text().split())
+    assert (f"SFT on {defaults.examples} of the suite's demonstrations until the held-out criterion reaches "
+            f"{defaults.target} (measured every {defaults.check_every} steps, at most {defaults.max_steps:,} steps"
+            in page)
