@@ -83,7 +83,8 @@ def run(
     wait_for_kafka: bool = WaitForKafkaOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish."""
+    """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish.
+    Exit status 1, with one line saying why, when every session failed or none ran."""
     from forge_stream.kafka.producer import EventProducer
     from forge_stream.rollout.controller import ProgressLog, RolloutController, RolloutSettings
     from forge_stream.rollout.sources import ResizedTasks
