@@ -10,6 +10,9 @@ per host, its node rank the host's index). `plan` says what runs where (`forge-s
 prints it); `forge-stream up TOPOLOGY --host NAME` on each host starts that host's share. A service without
 `hosts:` runs on every host that runs `up` without `--host`, i.e. this machine.
 
+Every service `up` starts takes `--wait-for-kafka`: under the supervisor, a service (re)started while Kafka is away
+(a broker restarting) waits for it, where the same command run by hand ends within seconds, saying Kafka is down.
+
 A topology also states how the catalog's topics are replicated (`kafka.replication_factor` and
 `kafka.min_insync_replicas`; 1 and 1 when it says nothing, the embedded broker's): `up` creates the topics so and
 checks them, and hands it to every service (FORGE_REPLICATION_FACTOR, FORGE_MIN_INSYNC_REPLICAS), whose start-up
@@ -195,7 +198,8 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         return ServiceSpec.python(
             "engine", "forge_stream", "engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
             "--port", str(port), "--bootstrap-servers", settings.bootstrap,
-            "--max-batch-size", str(opts.get("max_batch_size", 64)), *_flags(opts, VLLM_OPTIONS),
+            "--max-batch-size", str(opts.get("max_batch_size", 64)), "--wait-for-kafka",
+            *_flags(opts, VLLM_OPTIONS),
             *(["--host", str(opts["bind"])] if "bind" in opts else []),
             *(f"--vllm-arg={a}" for a in opts.get("vllm_args", ())),
             health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",
@@ -203,7 +207,8 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "engine", "forge_stream.engine", "serve", "--model", str(opts.get("model", settings.model_dir)),
         "--port", str(port), "--bootstrap-servers", settings.bootstrap,
-        "--max-batch-size", str(opts.get("max_batch_size", 32)), *_flags(opts, ("policy_run",)),
+        "--max-batch-size", str(opts.get("max_batch_size", 32)), "--wait-for-kafka",
+        *_flags(opts, ("policy_run",)),
         "--checkpoint-dir", str(opts.get("checkpoint_dir", settings.checkpoint_dir)),
         *(["--host", str(opts["bind"])] if "bind" in opts else []),
         health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1", env=_threads(opts),
@@ -218,7 +223,8 @@ def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     engines = opts.get("engines", [f"http://127.0.0.1:{settings.engine_port}"])
     return ServiceSpec.python(
         "gateway", "forge_stream", "gateway", "serve", *(a for url in engines for a in ("--engine", url)),
-        "--port", str(port), "--bootstrap-servers", settings.bootstrap, *_flags(opts, GATEWAY_OPTIONS),
+        "--port", str(port), "--bootstrap-servers", settings.bootstrap, "--wait-for-kafka",
+        *_flags(opts, GATEWAY_OPTIONS),
         *(["--host", str(opts["bind"])] if "bind" in opts else []),  # `host:` places a service; `bind:` listens
         health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}",
     )
@@ -227,6 +233,7 @@ def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
 def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
+        "--wait-for-kafka",
         "--data-dir", str(settings.home / "processors"),
         "--group-timeout-s", str(opts.get("group_timeout_s", 600)),
         *_flags(opts, ("advantage", "advantage_scale", "gamma", "claim_store", "claim_over_bytes",
@@ -243,7 +250,7 @@ TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "ro
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     opts = {"run": "default", **opts}
     opts.setdefault("checkpoint_dir", settings.checkpoint_dir / opts["run"])  # this deployment's home, always
-    args = ["--bootstrap-servers", settings.bootstrap, *_flags(opts, TRAINER_OPTIONS)]
+    args = ["--bootstrap-servers", settings.bootstrap, "--wait-for-kafka", *_flags(opts, TRAINER_OPTIONS)]
     return ServiceSpec.python("trainer", "forge_stream", "train", *args, env=_threads(opts))
 
 
@@ -267,7 +274,7 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     args = ["rollout", "run", "--tasks", tasks, "--agent", topology_command(opts["agent"]),
             "--gateway-url",
             opts.get("gateway_url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}"),
-            "--bootstrap-servers", settings.bootstrap]
+            "--bootstrap-servers", settings.bootstrap, "--wait-for-kafka"]
     for name in ("name", "concurrency", "group_size", "agent_workers", "agent_per_worker", "agent_timeout",
                  "attempt", "max_groups", "replay_edge"):
         if name in opts:
@@ -354,7 +361,8 @@ def _all_hosts(topology: Topology) -> list[str]:
 def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None = None) -> dict:
     """Start the broker (if embedded), create missing topics and check every topic against the catalog (raising
     TopicMismatch, with the fix, before anything starts), start the supervisor and through it the services placed
-    on `host` (None: those placed on no host); returns where everything is."""
+    on `host` (None: those placed on no host), saying which already run (they are left as they are); returns where
+    everything is."""
     settings = topology.settings_for(settings)
     placements = plan(settings, topology, host)
     if host is not None and not placements:
@@ -370,11 +378,16 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
                 if topology.hosts else "."))
     placements = plan(settings, topology, host, creds)
     supervisor = Supervisor(settings.run_dir)
+    running = {name: s["pid"] for name, s in supervisor.status().items() if s["running"]}
     if settings.embedded:
-        echo(f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
+        echo(f"The embedded Kafka broker already runs (pid {running[BROKER]})." if BROKER in running else
+             f"Starting the embedded Kafka broker (data in {settings.broker_dir})...")
         start_broker(settings, supervisor, echo)
-    echo(f"Kafka at {settings.bootstrap}; creating topics...")
+    echo(f"Kafka at {settings.bootstrap}; checking the topics...")
     topics = create_topics(settings.bootstrap, replication=settings.replication)
+    made = [name for name, done in topics.items() if done == "created"]
+    if made:
+        echo(f"Created {len(made)} topics.")
     check_topics(settings.bootstrap, replication=settings.replication)
     settings.record_deployment()  # `status`, `down`, `rollout`... from any shell find this Kafka
     names = [p.spec.name for p in placements]
@@ -386,8 +399,9 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
         ensure_runtime(settings.cache_dir, echo=echo)
     started = {}
     for placement in placements:
-        echo(f"Starting {placement.spec.name}...")
-        started[placement.spec.name] = supervisor.start(placement.spec)
+        name = placement.spec.name
+        echo(f"{name} already runs (pid {running[name]})." if name in running else f"Starting {name}...")
+        started[name] = supervisor.start(placement.spec)
     return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
             "topics": topics, "supervisor": supervisor.daemon_pid(),
             "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}

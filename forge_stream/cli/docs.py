@@ -4,7 +4,8 @@ The pages under docs/ (and README.md) are hand-written Markdown with generated r
 `<!-- generated: NAME [ARG] -->` and `<!-- end generated -->`. `docs generate` rewrites every region from what it
 documents: `cli` from the Typer app itself, `topics` from the topic catalog (`forge_stream.topics.TOPICS`) and the
 topologies' replication, `events` from `schemas/*.avsc` and `schemas/registry.json`, `settings` from `ForgeSettings`
-and the CLI's environment variables, `results BENCHMARK [exploratory]`, `headlines [LINK_BASE]` and
+and the CLI's environment variables, `results BENCHMARK [exploratory]` (every run, newest first),
+`current BENCHMARK` (what a benchmark's page leads with: its current result), `headlines [LINK_BASE]` and
 `fifo-chart WORKLOAD` (the window's trade-off, drawn by Mermaid) from the result files under `benchmarks/results/`.
 `docs generate --check` writes nothing and fails, naming the pages, when a region is out of date (tests/docs runs
 it). `docs record` turns one benchmark run's JSON output into a result file, with the command, the commit and the
@@ -194,22 +195,48 @@ def machine_text(machine: dict) -> str:
     return cell(", ".join(filter(None, [cores, machine.get("cpu_model") or "CPU model unknown", machine.get("note")])))
 
 
+def provenance(r: dict) -> tuple[str, str]:
+    """A result's date and commit as the pages show them (a run recorded by hand says where it was stated)."""
+    stated = r.get("recorded") or {}
+    date = r.get("date") or (f"stated {stated['on']}" if stated.get("on") else "date unknown")
+    commit = f"`{r['commit'][:10]}`" if r.get("commit") else (
+        f"commit unknown (stated in {stated['in']})" if stated.get("in") else "commit unknown")
+    return date, commit
+
+
+def _newest_first(r: dict) -> tuple:
+    date = r.get("date") or (r.get("recorded") or {}).get("on") or ""
+    return (date, r["file"])
+
+
 def results_table(root: Path, spec: str) -> str:
-    """The result files of one benchmark (`results NAME`), or its exploratory runs (`results NAME exploratory`)."""
+    """The result files of one benchmark (`results NAME`), or its exploratory runs (`results NAME exploratory`),
+    newest first, the current one (a file with `headline`) marked."""
     benchmark, _, kind = spec.partition(" ")
     rows = [r for r in load_results(root)
             if r["benchmark"] == benchmark and r["exploratory"] == (kind == "exploratory")]
     if not rows:
         raise ValueError(f"no result file of benchmark {spec!r} under {RESULTS}")
-    lines = ["| variant | result | target | date | commit | machine | raw run |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | what ran | result | target |", "|---|---|---|---|"]
+    for r in sorted(rows, key=_newest_first, reverse=True):
+        date, commit = provenance(r)
+        current = "**current**: " if r.get("headline") else ""
+        lines.append(f"| {date}<br>{commit}<br>[raw run](results/{r['file']}) | "
+                     f"{current}{cell(r.get('variant') or '')} ({machine_text(r['machine'])}) | {cell(r['summary'])} | "
+                     f"{cell(r.get('target') or 'none set')} |")
+    return "\n".join(lines) + "\n"
+
+
+def current_results(root: Path, benchmark: str) -> str:
+    """What a benchmark's page leads with (`current NAME`): its current result(s), the files with `headline`."""
+    rows = [r for r in load_results(root) if r["benchmark"] == benchmark and r.get("headline")]
+    if not rows:
+        raise ValueError(f"no result file of benchmark {benchmark!r} under {RESULTS} has a headline")
+    lines = [f"**Current result{'s' if len(rows) > 1 else ''}** (every run, newest first, in the table below):", ""]
     for r in rows:
-        stated = r.get("recorded") or {}
-        date = r.get("date") or (f"stated {stated['on']}" if stated.get("on") else "unknown")
-        commit = f"`{r['commit'][:10]}`" if r.get("commit") else (
-            f"unknown (stated in {stated['in']})" if stated.get("in") else "unknown")
-        lines.append(f"| {cell(r.get('variant') or '')} | {cell(r['summary'])} | "
-                     f"{cell(r.get('target') or 'none set')} | {date} | {commit} | {machine_text(r['machine'])} | "
-                     f"[{r['file']}](results/{r['file']}) |")
+        date, commit = provenance(r)
+        lines.append(f"- {r['headline']}. Target: {r.get('target') or 'none set'}. Run {date}, {commit}, "
+                     f"{machine_text(r['machine'])} ([raw run](results/{r['file']})).")
     return "\n".join(lines) + "\n"
 
 
@@ -240,7 +267,7 @@ def fifo_chart(root: Path, workload: str) -> str:
 
 GENERATORS: dict[str, Callable[[Path, str], str]] = {
     "cli": cli_reference, "topics": topic_reference, "events": event_reference, "settings": settings_reference,
-    "results": results_table, "headlines": headlines, "fifo-chart": fifo_chart,
+    "results": results_table, "current": current_results, "headlines": headlines, "fifo-chart": fifo_chart,
 }
 
 

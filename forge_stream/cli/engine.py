@@ -5,7 +5,7 @@ import logging
 
 import typer
 
-from forge_stream.cli.options import ready_kafka, user_error
+from forge_stream.cli.options import WaitForKafkaOption, ready_kafka, user_error
 
 # idle connections stay open longer than the gateway's client keeps them (aiohttp: 15 s), so the gateway never sends a
 # request on a connection the engine is closing (uvicorn's default is 5 s)
@@ -41,6 +41,7 @@ def serve(
                                    "loopback); the gateway sends it with --engine-token."),
     checkpoint_dir: str = typer.Option(None, help="/v1/admin/load_weights loads only directories inside this one "
                                                   "(without it, none: the engine follows forge.policy)."),
+    wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
     import uvicorn
@@ -59,7 +60,7 @@ def serve(
     except ValueError as exc:
         raise user_error(str(exc)) from None
     if bootstrap_servers:
-        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
+        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers), wait=wait_for_kafka)
     # its own lines (ready, each policy version loaded) dated like the other services'; uvicorn's and aiokafka's
     # (the policy follower) at warning; no progress bar for each checkpoint loaded (a log, not a terminal)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -121,6 +122,7 @@ def vllm(
     token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
                               help="Require this bearer token on every route but /health (needed to listen beyond "
                                    "loopback); the gateway sends it with --engine-token."),
+    wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL with real vLLM (installed first if needed), each answer labelled with its policy version."""
     import uvicorn
@@ -139,7 +141,7 @@ def vllm(
     except ValueError as exc:
         raise user_error(str(exc)) from None
     if bootstrap_servers:
-        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers))
+        ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers), wait=wait_for_kafka)
     cache_dir = ForgeSettings().cache_dir
     try:
         runtime = ensure_runtime(cache_dir, echo=logging.getLogger("forge_stream.engine").info)

@@ -17,7 +17,7 @@ from typing import Optional
 import httpx
 import typer
 
-from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
+from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, reach_kafka, settings, task_source
 from forge_stream.cli.options import admin_token as deployment_token
 
 
@@ -58,6 +58,7 @@ def eval_command(
 
     source = task_source(tasks)
     cfg = settings(bootstrap_servers)
+    reach_kafka(cfg)
     admin_token = deployment_token(admin_token, cfg)
     url = gateway_url or f"http://127.0.0.1:{cfg.gateway_port}"
     served = served_versions(url, admin_token) if policy_version is not None else set()

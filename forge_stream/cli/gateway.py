@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, ready_kafka, settings, user_error
+from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings, user_error
 from forge_stream.gateway.settings import GatewaySettings
 
 _SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
@@ -62,6 +62,7 @@ def serve(
         False, help="Replicas on other hosts serve one session's calls alternately: bring a held session up to "
                     "date from Kafka before each call. Without it, a session's calls should go to the host that "
                     "holds it (route by session id); any other one rebuilds it on a miss."),
+    wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve the gateway (uvicorn, with uvloop and httptools when installed)."""
     import uvicorn
@@ -83,7 +84,7 @@ def serve(
             shared_sessions=shared_sessions, workers=workers)
     except ValueError as exc:
         raise user_error(str(exc)) from None
-    ready_kafka(cfg)
+    ready_kafka(cfg, wait=wait_for_kafka)
     options = dict(host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s,
                    http=CoalescingHttpToolsProtocol)
     if workers == 1:

@@ -1,8 +1,9 @@
 """`forge-stream logs [SERVICE...]`: the tail of a deployment's logs, and `--follow` to watch them grow.
 
 The logs are the files `up` gives its services under the home's run directory (`$FORGE_HOME/run/NAME.log`, kept
-after `down` and across restarts: a restart appends), the supervisor's (`supervisor`) and the embedded broker's
-(`kafka`). Without a name it shows every service's log (not the supervisor's or the broker's: name them).
+after `down` and across restarts: a restart appends), the supervisor's (`supervisor`) and the embedded Kafka broker's
+(`broker`, the name `status` gives it; `$FORGE_HOME/kafka/broker.log` for a broker an older `up` ran unsupervised).
+Without a name it shows every service's log (not the supervisor's or the broker's: name them).
 """
 
 from __future__ import annotations
@@ -19,20 +20,23 @@ from forge_stream.proc import tail_lines
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
 
-EXTRA = ("supervisor", "kafka")  # logs shown only when named
+EXTRA = ("supervisor", "broker")  # logs shown only when named
 
 
 def sources(cfg: ForgeSettings) -> dict[str, Path]:
     """Every log of the home, by name: the services in the order `up` started them (then any other log in the run
-    directory, e.g. of a service a later `up` no longer runs), the supervisor's, the embedded broker's."""
+    directory, e.g. of a service a later `up` no longer runs), the supervisor's, the embedded broker's (where the
+    supervisor runs it, else where an unsupervised one wrote it)."""
     run_dir = cfg.run_dir
     started = Supervisor(run_dir).names() if run_dir.is_dir() else []
     found = {p.stem: p for p in sorted(run_dir.glob("*.log"))} if run_dir.is_dir() else {}
-    found.pop("supervisor", None)
+    for name in EXTRA:
+        found.pop(name, None)
     ordered = {name: found.pop(name) for name in started if name in found}
     ordered.update(found)
-    for name, path in (("supervisor", run_dir / "supervisor.log"), ("kafka", cfg.broker_dir / "broker.log")):
-        if path.exists():
+    for name, path in (("supervisor", run_dir / "supervisor.log"), ("broker", run_dir / "broker.log"),
+                       ("broker", cfg.broker_dir / "broker.log")):
+        if path.exists() and name not in ordered:
             ordered[name] = path
     return ordered
 
@@ -73,7 +77,7 @@ def follow(followed: list[_Followed], interval: float = 0.25,
 
 
 def logs(names: list[str] = typer.Argument(None, metavar="SERVICE",
-                                           help="Services to show (default: all); also `supervisor`, `kafka`."),
+                                           help="Services to show (default: all); also `supervisor`, `broker`."),
          lines: int = typer.Option(40, "--lines", "-n", min=0, help="Lines of each log to show first."),
          follow_: bool = typer.Option(False, "--follow", "-f", help="Keep printing lines as they are written "
                                                                      "(Ctrl-C stops)."),

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings, user_error
+from forge_stream.cli.options import BootstrapOption, reach_kafka, settings, user_error
 
 app = typer.Typer(no_args_is_help=True, help="Pictures of a run, drawn from the topics' history.")
 
@@ -30,8 +30,10 @@ def rewards(
     """Training outcome reward per step (raw and smoothed), composite reward, and held-out evaluations with CIs."""
     from forge_stream.analytics.curves import load_curves, plot_curves
 
+    cfg = settings(bootstrap_servers)
+    reach_kafka(cfg)
     try:
-        curves = load_curves(settings(bootstrap_servers).bootstrap, run, smoothing)
+        curves = load_curves(cfg.bootstrap, run, smoothing)
     except LookupError as exc:
         raise user_error(str(exc)) from None
     if not curves.train.step and not curves.evals:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings
 
 app = typer.Typer(no_args_is_help=True, help="Stream processors: events -> trajectories, rewards, samples.")
 
@@ -42,6 +42,7 @@ def run(
                                                            "SampleClaim (by reference)."),
     offset_reset: str = typer.Option("earliest", help="Where a new consumer group starts: earliest or latest."),
     loglevel: str = typer.Option("info", "--loglevel", "-l"),
+    wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Run the processors worker until stopped."""
     from forge_stream.processors import ProcessorSettings
@@ -49,7 +50,7 @@ def run(
     from topologies.processors import TopologyConfig, run_worker
 
     forge = settings(bootstrap_servers)
-    ready_kafka(forge)
+    ready_kafka(forge, wait=wait_for_kafka)
     config = TopologyConfig(
         bootstrap=forge.bootstrap, data_dir=data_dir or forge.home / "processors", app_id=app_id,
         processors=ProcessorSettings(group_timeout_ms=int(group_timeout_s * 1000), gamma=gamma,

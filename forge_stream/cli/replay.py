@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, reach_kafka, settings
 
 
 def to_ms(text: Optional[str]) -> Optional[int]:
@@ -45,12 +45,13 @@ def replay(
     as_json: bool = JsonOption,
 ) -> None:
     """Re-train from forge.samples history without touching live consumer offsets."""
+    cfg = settings(bootstrap_servers)
+    reach_kafka(cfg)
     from forge_stream.kafka.history import Slice
     from forge_stream.trainer.replay import ReplaySettings
     from forge_stream.trainer.replay import replay as run_replay
     from forge_stream.trainer.step import StepConfig, clip_for
 
-    cfg = settings(bootstrap_servers)
     where = Slice(to_ms(start), to_ms(end), offsets(from_offsets), offsets(to_offsets))
     result = run_replay(ReplaySettings(cfg.bootstrap, model or cfg.model_dir, checkpoint_dir or cfg.checkpoint_dir / run,
                                        run, where, batch_size,

@@ -1,7 +1,9 @@
 """`forge-stream rollout run`: roll out tasks with an unmodified agent through the gateway, grade, reward.
 
 It runs until the task source ends (or, with `--loop`, until stopped): Ctrl-C or SIGTERM stops taking new
-groups and lets the sessions in flight finish (a second one aborts them; the next start closes them).
+groups and lets the sessions in flight finish (a second one aborts them; the next start closes them). A run in which
+every session failed, or no session ran (and no group was left to an earlier run of the same name), exits with status
+1 and one line saying so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import typer
 from rich.progress import Progress
 
 from forge_stream.cli.options import (
-    AdminTokenOption, BootstrapOption, JsonOption, ready_kafka, settings, task_source,
+    AdminTokenOption, BootstrapOption, JsonOption, WaitForKafkaOption, ready_kafka, settings, task_source, user_error,
 )
 from forge_stream.cli.options import admin_token as deployment_token
 
@@ -78,17 +80,21 @@ def run(
     report_every: float = typer.Option(30.0, help="Without a terminal (a service's log, a pipe): log the groups, "
                                                   "sessions and mean reward every this many seconds (0: never)."),
     bootstrap_servers: Optional[str] = BootstrapOption,
+    wait_for_kafka: bool = WaitForKafkaOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish."""
+    """Submit each task (forge.tasks), run G agents per task through the gateway, grade, post rewards, finish.
+    Exit status 1, with one line saying why, when every session failed or none ran."""
     from forge_stream.kafka.producer import EventProducer
     from forge_stream.rollout.controller import ProgressLog, RolloutController, RolloutSettings
     from forge_stream.rollout.sources import ResizedTasks
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if group_size is not None and group_size < 1:
+        raise user_error(f"--group-size {group_size}: a group needs at least 1 session")
     source = task_source(tasks)
     cfg = settings(bootstrap_servers)
-    ready_kafka(cfg)
+    ready_kafka(cfg, wait=wait_for_kafka)
     if group_size is not None:
         source = ResizedTasks(source, group_size)
     try:
@@ -100,6 +106,7 @@ def run(
         raise typer.Exit(2)
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
     reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
+    failures: list[str] = []  # why the first session that failed failed
     if reports:
         logger = logging.getLogger("forge_stream.rollout.controller")
         logger.setLevel(logging.INFO)
@@ -116,6 +123,8 @@ def run(
 
         def done(_task_id, outcomes) -> None:
             progress.advance(bar)
+            if not failures:
+                failures.extend(o.reason or "no reason given" for o in outcomes if not o.ok)
             if reports:
                 reports.add(outcomes)
 
@@ -140,3 +149,23 @@ def run(
                f"{result['recovered_sessions']} left open by an earlier run closed, {result['replayed_groups']} "
                f"replayed at the edge), "
                f"mean reward {result['mean_reward']}")
+    failed = run_failure(result, failures)
+    if failed:
+        typer.echo(f"error: {failed}", err=True)
+        raise typer.Exit(1)
+
+
+def run_failure(result: dict, failures: list[str]) -> str | None:
+    """What makes a rollout run a failure, in one line: every session failed (with the first reason), or none ran
+    although no earlier run of this name had submitted the groups; None when it did its work."""
+    sessions, failed = result["sessions"], result["failed_sessions"]
+    if sessions and failed == sessions:
+        first = " ".join(failures[0].split()) if failures else "unknown"
+        return (f"every session failed ({failed} of {sessions}); the first: {first}"
+                " (a warning above names each)")
+    if sessions or result["skipped_groups"]:
+        return None
+    if result["failed_groups"]:
+        return (f"no session ran: Kafka took none of the {result['failed_groups']} tasks (see the errors above; "
+                "`forge-stream status` shows the broker)")
+    return "no session ran: the task source gave no task (an empty file, or --max-groups 0)"

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.cli.options import BootstrapOption, reach_kafka, settings
 
 app = typer.Typer(no_args_is_help=True, help="Sinks: streams to files (Parquet, TensorBoard).")
 
@@ -30,8 +30,9 @@ def parquet(
     """Consume TOPICs and write Parquet files named by the offsets they hold (re-runs overwrite, never duplicate)."""
     from connectors.parquet_sink import ParquetSink, ParquetSinkSettings
 
-    sink = ParquetSink(ParquetSinkSettings(settings(bootstrap_servers).bootstrap, out, tuple(topic), group_id,
-                                           flush_records, flush_seconds))
+    cfg = settings(bootstrap_servers)
+    reach_kafka(cfg)
+    sink = ParquetSink(ParquetSinkSettings(cfg.bootstrap, out, tuple(topic), group_id, flush_records, flush_seconds))
     rows = sink.run(idle_exit_seconds=idle_exit)
     typer.echo(f"wrote {rows} rows in {len(sink.files_written)} files under {out}")
 
@@ -48,8 +49,9 @@ def tensorboard(
     """Write training metrics, evaluations and rollout statistics as TensorBoard scalars."""
     from connectors.tensorboard_sink import TensorBoardSink, TensorBoardSinkSettings
 
-    sink = TensorBoardSink(TensorBoardSinkSettings(settings(bootstrap_servers).bootstrap, logdir, run,
-                                                   from_beginning, follow))
+    cfg = settings(bootstrap_servers)
+    reach_kafka(cfg)
+    sink = TensorBoardSink(TensorBoardSinkSettings(cfg.bootstrap, logdir, run, from_beginning, follow))
     try:
         scalars = sink.run()
     except KeyboardInterrupt:

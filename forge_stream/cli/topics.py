@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings, user_error
+from forge_stream.cli.options import BootstrapOption, JsonOption, reach_kafka, settings, user_error
 from forge_stream.kafka.admin import TopicMismatch, check_topics, create_topics, repair_topics
 from forge_stream.settings import ForgeSettings
 from forge_stream.topics import TOPICS, Replication
@@ -25,6 +25,7 @@ InSyncOption = typer.Option(None, "--min-insync-replicas", min=1,
 def _target(bootstrap_servers: str | None, factor: int | None, in_sync: int | None) -> tuple[str, Replication]:
     """The cluster to act on and the replication its topics must have: the flags over the deployment's."""
     cfg: ForgeSettings = settings(bootstrap_servers)
+    reach_kafka(cfg)
     try:
         return cfg.bootstrap, Replication(factor or cfg.replication_factor, in_sync or cfg.min_insync_replicas)
     except ValueError as exc:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings
 
 
 def parse_window(text: str):
@@ -60,6 +60,7 @@ def train(
     nnodes: int = typer.Option(1, help="Machines taking part (each runs this command with its --node-rank)."),
     node_rank: int = typer.Option(0, help="This machine's index among --nnodes (0 consumes from Kafka)."),
     master_addr: Optional[str] = typer.Option(None, help="HOST:PORT of node 0's rendezvous (with --nnodes > 1)."),
+    wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
     import torch.distributed
@@ -78,7 +79,7 @@ def train(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     cfg = settings(bootstrap_servers)
     if ranks is None or ranks.is_main:
-        ready_kafka(cfg)
+        ready_kafka(cfg, wait=wait_for_kafka)
     scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
                                   window=parse_window(window), rollout_slots=rollout_slots,
                                   group_timeout_s=group_timeout, max_staleness=max_staleness,

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forge_stream import deploy
-from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, kafka_unreachable, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.services import ServiceError, Supervisor
@@ -110,8 +110,7 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
             groups.add_row(name, members, lag)
         _print_whole(out, topics, groups)
     else:
-        console.print(f"[red]Kafka at {cfg.bootstrap} is not reachable[/red]: {result['error']}\n"
-                      "Start it with `forge-stream up`.")
+        console.print(f"[red]{kafka_unreachable(cfg)}[/red]")
     services = Table("service", "state", "pid", "restarts", "last exit", "url")
     for name, s in result["services"].items():
         style = {"running": "green", "crash-looping": "bold red", "dead": "red"}.get(s["state"], "yellow")

@@ -190,17 +190,19 @@ def repair_topics(bootstrap: str, recreate: bool = False, timeout: float = 60.0,
 
 
 def wait_for_kafka(bootstrap: str, echo=print, timeout: float | None = None) -> None:
-    """Block until the cluster answers (a service started while Kafka is away waits rather than exiting)."""
+    """Block until the cluster answers (a service started while Kafka is away waits rather than exiting), or, with a
+    `timeout`, raise TimeoutError once it has not answered for that long."""
     admin = admin_client(bootstrap)
     deadline = None if timeout is None else time.monotonic() + timeout
     told = False
     while True:
+        left = 5.0 if deadline is None else min(5.0, max(0.5, deadline - time.monotonic()))
         try:
-            if admin.list_topics(timeout=5).brokers:
+            if admin.list_topics(timeout=left).brokers:
                 return
         except KafkaException:
             pass
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"Kafka at {bootstrap} did not answer within {timeout:.0f}s")
         if not told:
             echo(f"waiting for Kafka at {bootstrap}...")

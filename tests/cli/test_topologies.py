@@ -1,6 +1,6 @@
-"""Shipped topologies: every flag a service builder passes is one its command takes, a topology across hosts
-(topologies/cluster.yaml) places each service where it says, which `forge-stream up --dry-run` prints, and each
-topology's replication reaches every service it starts."""
+"""Shipped topologies: every flag a service builder passes is one its command takes (and every service that can wait
+for Kafka is told to), a topology across hosts (topologies/cluster.yaml) places each service where it says, which
+`forge-stream up --dry-run` prints, and each topology's replication reaches every service it starts."""
 
 import json
 import subprocess
@@ -43,6 +43,8 @@ def test_every_flag_a_topology_passes_is_taken_by_its_command(name):
         flags = {opt for param in command.params for opt in param.opts}
         passed = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
         assert passed <= flags, f"{name}/{placement.spec.name}: {sorted(passed - flags)} not taken by the command"
+        if "--wait-for-kafka" in flags:  # under the supervisor a service (re)started while Kafka is away waits for it
+            assert "--wait-for-kafka" in passed, f"{name}/{placement.spec.name} would end while Kafka restarts"
 
 
 def test_the_cluster_topology_places_each_service_on_its_hosts():

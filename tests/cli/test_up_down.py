@@ -196,3 +196,37 @@ def test_a_killed_embedded_broker_is_restarted_by_the_supervisor_and_the_pipelin
         assert not _alive(back["pid"])
     finally:
         subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)
+
+
+def test_a_second_up_says_what_already_runs_and_starts_only_the_rest(tmp_path):
+    env = _own_ports(tmp_path)
+    registry = tmp_path / "registry-only.yaml"
+    registry.write_text("name: registry-only\nservices:\n  - registry\n")
+
+    def up() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "forge_stream", "up", str(registry)], env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr.splitlines()
+
+    try:
+        first = up()
+        assert any(line.startswith("Starting the embedded Kafka broker") for line in first), first
+        assert "Starting registry..." in first
+        running = Supervisor(tmp_path / "home" / "run").status()
+        again = up()
+        assert not any(line.startswith("Starting") for line in again), again
+        assert f"The embedded Kafka broker already runs (pid {running['broker']['pid']})." in again
+        assert f"registry already runs (pid {running['registry']['pid']})." in again
+
+        Supervisor(tmp_path / "home" / "run").stop("registry")
+        third = up()
+        assert "Starting registry..." in third and not any("Starting the embedded" in line for line in third), third
+
+        broker_log = subprocess.run([sys.executable, "-m", "forge_stream", "logs", "broker", "-n", "200"], env=env,
+                                    capture_output=True, text=True, timeout=60)
+        assert broker_log.returncode == 0, broker_log.stderr  # the broker's log, by the name `status` gives it
+        shown = broker_log.stdout.splitlines()
+        assert shown and shown == (tmp_path / "home" / "run" / "broker.log").read_text().splitlines()[-len(shown):]
+    finally:
+        subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=env, capture_output=True, timeout=120)

@@ -71,7 +71,7 @@ def test_docs_record_keeps_a_run_with_its_command_commit_and_machine(tmp_path):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
     assert kept["commit"] == head and kept["command"] == "forge-stream bench codec --json"
     assert kept["machine"]["cores"] >= 1 and kept["result"] == {"avro_bytes": 17400} and kept["date"]
-    assert f"[{kept['file']}](results/{kept['file']})" in page.read_text()
+    assert f"[raw run](results/{kept['file']})" in page.read_text()
     # a second run at the same commit is kept beside the first; a run made at an earlier commit says so
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "docs only"], cwd=tmp_path, check=True)
     for extra in ([], [], ["--commit", head]):
@@ -84,3 +84,18 @@ def test_docs_record_keeps_a_run_with_its_command_commit_and_machine(tmp_path):
     result = CliRunner().invoke(app, ["docs", "record", str(run), "--benchmark", "codec", "--root", str(tmp_path),
                                       "--command", "c", "--summary", "s", "--commit", "nope"])
     assert result.exit_code == 2 and "not a commit" in result.output
+
+
+def test_every_benchmark_page_leads_with_its_current_result():
+    """Under its title, before what it measures and before every run's row: the result a reader came for."""
+    for result in load_results(REPO):
+        if result["exploratory"] or not result.get("headline"):
+            continue
+        page = (REPO / "docs" / "benchmarks" / f"{result['benchmark']}.md").read_text()
+        title, first = page.split("\n\n", 1)
+        assert title.startswith("# ") and first.startswith(f"<!-- generated: current {result['benchmark']} -->")
+        lead = first.split("<!-- end generated -->")[0]
+        assert result["headline"] in lead and f"(results/{result['file']})" in lead, result["file"]
+        table = page[page.index(f"<!-- generated: results {result['benchmark']} -->"):]
+        row = next(line for line in table.splitlines() if f"(results/{result['file']})" in line)
+        assert "**current**" in row and len(row.split(" | ")) == 4  # four columns: run, what ran, result, target

@@ -127,7 +127,8 @@ def test_a_kafka_outage_is_waited_out(own_broker, tmp_path):
     port = free_port()
     log = open(tmp_path / "gateway.log", "wb")
     gateway = subprocess.Popen([sys.executable, "-m", "forge_stream", "gateway", "serve", "--engine",
-                                f"http://127.0.0.1:{free_port()}", "--port", str(port), "-b", bootstrap],
+                                f"http://127.0.0.1:{free_port()}", "--port", str(port), "-b", bootstrap,
+                                "--wait-for-kafka"],  # as `up` starts it
                                env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
     try:
         time.sleep(20)  # longer than the default producer's 15 s message timeout

@@ -100,7 +100,7 @@ def test_the_processors_command_takes_the_time_reward_weight(monkeypatch):
     from forge_stream.cli import processors as command
 
     seen = []
-    monkeypatch.setattr(command, "ready_kafka", lambda cfg: None)
+    monkeypatch.setattr(command, "ready_kafka", lambda cfg, wait=False: None)
     monkeypatch.setattr(topologies.processors, "run_worker", lambda config, loglevel: seen.append(config.processors))
     for extra in ([], ["--time-reward-weight", "0.1"]):
         result = CliRunner().invoke(app, ["processors", "run", "--bootstrap-servers", "127.0.0.1:1", *extra])
