@@ -121,7 +121,8 @@ def test_by_kind_counts_the_footholds_rl_won_and_lost():
 
 def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkeypatch, tmp_path):
     """--model: no tiny model and no SFT (its band is checked on the test evaluation, in run_seed), the engine is vLLM
-    and the tasks, training and test, are the `mental` family's unless told otherwise."""
+    and the tasks, training and test, are the pretrained mix's (times and copy), sampled at temperature 0.7, unless told
+    otherwise."""
     seen = {}
 
     def run_seed(s, seed, home, warm_start, progress):
@@ -137,10 +138,15 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
                                       "--json"])
     assert result.exit_code == 0, result.output
     s = seen["settings"]
-    assert (s.engine, s.mix, s.test_source) == ("vllm", "mental=1", "suite:test?mix=mental=1")
+    assert (s.engine, s.mix, s.temperature) == ("vllm", "times=1,copy=1", 0.7)
+    assert s.test_source == "suite:test?mix=times=1,copy=1&temperature=0.7"
+    assert s.training_source(2) == "suite:train?seed=2&mix=times=1,copy=1&temperature=0.7"
+    tasks = list(itertools.islice(load_task_source(s.test_source), 20))
+    assert {t.domain for t in tasks} == {"times", "copy"} and {t.prompt["temperature"] for t in tasks} == {0.7}
     assert (s.lr, s.updates_per_batch, s.engine_load_interval) == (1e-5, 1, 30.0)
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
     assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
+    assert learning.LearningSettings(temperature=0.5).test_source == "suite:test?temperature=0.5"
     result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--engine", "torch",
                                       "--home", str(tmp_path / "h2"), "--json"])
     assert result.exit_code == 0, result.output
