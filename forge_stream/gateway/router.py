@@ -247,6 +247,7 @@ async def health(request: Request) -> dict:
     return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
             "open_sessions": service.sessions.open, "admission": service.admission.view(),
             "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
+            "calls_answered": service.calls_answered,  # chat and completions calls (run, or answered as recorded)
             "turn_collisions": len(service.restorer.collisions),
             "session_records_read": service.restorer.events.records_read,  # by the rebuilds and catch-ups above
             "session_records_scanned": service.restorer.events.records_scanned,  # and went through to find those
