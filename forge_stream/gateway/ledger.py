@@ -12,16 +12,17 @@ of every record). On one host the workers can tell each other directly, in a fil
 A worker bumps its own counter of the session's bucket after Kafka acknowledged what it recorded, and before it
 answers its caller. Before serving a call of a held session, it reads the other workers' counters of that bucket:
 unchanged since it last brought the session up to date means nobody else recorded for it, so the call costs two
-memory reads instead of a round trip to the broker; changed means it rebuilds the session first. Each counter has
+memory reads instead of a round trip to the broker; changed means it catches the session up first. Each counter has
 one writer (its worker), so no lock is taken per call; a 4-byte aligned store is atomic. Sessions that share a
 bucket (crc32 of the id, 262,144 buckets) can only cause a needless rebuild, never a missed one.
 
 A session's turns are numbered by one worker at a time: a worker records a turn holding a lock on the byte of the
-session's bucket (`take` of `session_byte`, an open-file-description lock: `F_OFD_SETLK`, so two ledgers mapped by one process exclude
-each other too), and, holding it, first catches the session up if another worker recorded for it since. So two calls
-of one session served at once by two workers take turns k and k + 1, never k twice. Sessions sharing a bucket share
-the lock (they only wait on each other). The lock dies with its worker: a SIGKILLed worker holds nothing; one that
-hangs (stopped, or stuck) holds it on, so a wait for it has a limit, past which the waiter gives up (`LockBusy`).
+session's bucket (`take` of `session_byte`, an open-file-description lock: `F_OFD_SETLK`, so two ledgers mapped by
+one process exclude each other too), and, holding it, first catches the session up if another worker recorded for it
+since. So two calls of one session served at once by two workers take turns k and k + 1, never k twice. Sessions
+sharing a bucket share the lock (they only wait on each other). The lock dies with its worker: a SIGKILLed worker
+holds nothing; one that hangs (stopped, or stuck) holds it on, so a wait for it has a limit, past which the waiter
+gives up (`LockBusy`).
 
 A call sent with an Idempotency-Key is run by one worker at a time the same way (`call_byte`): a lock on the byte of
 its request id's bucket, in a second range of bytes past the buckets', held from before the worker checks whether
@@ -57,7 +58,7 @@ _PREFIX = "forge-gateway-ledger-"
 _STALE_AFTER_S = 10.0  # younger files are left alone: their `serve` may be about to lock them
 # `serve` holds a read lock on byte 0 while it runs; byte 1 + b is the lock of bucket b, 1 + BUCKETS + c of calls' c
 _SERVE_BYTE = 0
-_LOCK_WAIT_S = (0.0005, 0.02)  # polling a held bucket lock: first wait, longest wait
+_LOCK_WAIT_S = (0.0005, 0.02)  # polling a lock another worker holds: first wait, longest wait
 
 
 def _ofd_lock(fd: int, kind: int, offset: int) -> bool:

@@ -424,9 +424,9 @@ class SessionRestorer:
             yield
             return
         byte = self.ledger.session_byte(session.id)
-        await self._take(byte, self.settings.turn_lock_wait_s,
-                         f"Another worker of this gateway has held the lock of session {session.id}'s turns for over "
-                         f"{self.settings.turn_lock_wait_s:g} s (it may be stuck); nothing was recorded: retry shortly.")
+        wait = self.settings.turn_lock_wait_s
+        await self._take(byte, wait, f"Another worker of this gateway has held the lock of session {session.id}'s "
+                                     f"turns for over {wait:g} s (it may be stuck); nothing was recorded: retry soon.")
         try:
             seen = self.ledger.others(session.id)  # read before the events: a later write shows at the next call
             if session.unsure or seen != session.ledger_seen:
