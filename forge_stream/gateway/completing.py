@@ -249,7 +249,7 @@ class CompletionPath:
                 entered = True
             else:
                 digest = request_digest(kind, body)
-                await self._enter_once(session, request_id, digest, idempotency_key)
+                await self._enter_once(session, request_id)
                 entered = True
                 if answer := await self._recorded(session, kind, body, request_id, digest, idempotency_key):
                     self._leave(session, request_id)
@@ -268,15 +268,14 @@ class CompletionPath:
         self.calls_answered += 1
         return result
 
-    async def _enter_once(self, session: Session, request_id: str, digest: str, key: str) -> None:
+    async def _enter_once(self, session: Session, request_id: str) -> None:
         """Enter the call `request_id` of an Idempotency-Key once no other try of it is in flight: one here is
-        waited for (422 at once if it has another endpoint or body), then one on another worker of this host."""
+        waited for, then one on another worker of this host. (A try with another endpoint or body waits too: which
+        request the key is bound to is what the first try that is recorded asked.)"""
         while (first := session.calls.get(request_id)) is not None:
-            if first.digest != digest:
-                raise reused_key(key)
-            await first.done.wait()
+            await first.wait()
         session.require_open()
-        session.enter(request_id, digest)  # no await since the check: the other tries here wait for this one
+        session.enter(request_id)  # no await since the check: the other tries here wait for this one
         try:
             await self.restorer.claim(request_id)
         except BaseException:

@@ -18,20 +18,12 @@ import binascii
 import hmac
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from forge_stream.events.prompts import Lane
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse
 from forge_stream.gateway.spans import PendingCall, SessionKeys
 from forge_stream.gateway.textspans import Rule, TextTurn
-
-
-class InFlight(NamedTuple):
-    """A call of a session in flight in this process: `done` is set when it ends."""
-
-    done: asyncio.Event
-    digest: str | None  # with an Idempotency-Key: its request's digest (forge_stream.gateway.recording)
 
 
 @dataclass
@@ -60,23 +52,22 @@ class Session:
     opened_here: bool = False  # opened by this process, which holds all it recorded: caught up from its start
     ledger_seen: tuple[int, ...] | None = None  # --workers: the other workers' ledger counters it is up to date with
     unsure: bool = False  # a write was not acknowledged and may have landed: read the log before the next turn
-    calls: dict[str, InFlight] = field(default_factory=dict)  # request id -> that call here, in flight
+    calls: dict[str, asyncio.Event] = field(default_factory=dict)  # request id -> set when that call here ends
     active: int = 0  # calls of it in flight in this process (a finish waits for them)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while none is
 
     def __post_init__(self):
         self.idle.set()
 
-    def enter(self, request_id: str, digest: str | None = None) -> None:
-        """A call of the session (`request_id`; with an Idempotency-Key, the `digest` of its request) is in flight
-        here. One at a time per request id: the caller checked that none is (and did not await since)."""
+    def enter(self, request_id: str) -> None:
+        """A call of the session (`request_id`) is in flight here."""
         self.active += 1
         self.idle.clear()
-        self.calls[request_id] = InFlight(asyncio.Event(), digest)
+        self.calls[request_id] = asyncio.Event()
 
     def leave(self, request_id: str) -> None:
         """The call `request_id` ended (recorded or not)."""
-        self.calls.pop(request_id).done.set()
+        self.calls.pop(request_id).set()
         self.active -= 1
         if not self.active:
             self.idle.set()
