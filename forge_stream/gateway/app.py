@@ -4,7 +4,8 @@ app's lifespan, and OpenAI-style error bodies for every error (including FastAPI
 Agents' calls (chat/completions, completions, responses, messages) skip FastAPI's middleware stack and routing
 (`GatewayApp.__call__`): they are most of the gateway's traffic, and route matching and dependency solving cost about
 a third of their CPU, the stack's layers (error handling, FastAPI's telemetry and body limit, each wrapping `send`)
-another tenth. FastAPI still describes those routes (OpenAPI) and serves everything else.
+another tenth. They have no FastAPI routes; the app's OpenAPI document describes them too (`router.agent_paths`).
+FastAPI serves everything else.
 
 An unexpected error is answered 500 by `_ContainErrors`, which keeps the client's keep-alive connection usable
 (Starlette's own last-resort handler re-raises, and uvicorn then drops the connection). Its body says nothing of the
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from forge_stream.gateway.protocol import GatewayError, error_body
 from forge_stream.httpbody import BodyRejected
-from forge_stream.gateway.router import agent_call, router
+from forge_stream.gateway.router import agent_call, agent_paths, router
 from forge_stream.gateway.completing import EventSink
 from forge_stream.gateway.serving import GatewayService
 from forge_stream.gateway.settings import GatewaySettings
@@ -72,6 +73,12 @@ class GatewayApp(FastAPI):
         except Exception as exc:
             response = internal_error(exc)
         await response(scope, receive, send)
+
+    def openapi(self) -> dict:
+        """FastAPI's OpenAPI document, with the agents' calls that `__call__` serves."""
+        if self.openapi_schema is None:
+            super().openapi()["paths"].update(agent_paths())
+        return self.openapi_schema
 
 
 def _gateway_error(exc: GatewayError) -> Response:

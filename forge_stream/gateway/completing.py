@@ -13,10 +13,12 @@ taken from what is recorded, so its turn numbers stay 0, 1, 2... in the order th
 - a write Kafka did not acknowledge may still have landed (a delivery timed out while the broker had it): the 503
   says so, and the session reads its log before its next turn (`Session.unsure`), so that turn is numbered past it;
 - a call sent with an `Idempotency-Key` header (chat and completions) is recorded under a request id derived from
-  the session and the key: a retry of a call that was recorded (its answer lost, or its 503 ambiguous) is
-  recognised, read back from Kafka and answered as it was recorded (message, tool calls, finish reason; no log-probs
-  or token ids), without running the engine again; a retry while the first try is still in flight here waits for
-  it.
+  the session and the key, with the digest of its endpoint and body (`request_digest`): a retry of a call that was
+  recorded (its answer lost, or its 503 ambiguous) is recognised, read back from Kafka and answered as it was
+  recorded (message, tool calls, finish reason; no log-probs or token ids), without running the engine again; the
+  key with another endpoint or body is refused (422). Tries of one key run one at a time: here (a try waits for the
+  one in flight) and on the workers of one host (the ledger's lock of the call, `SessionRestorer.claim`), so
+  calls sent at once with one key run the engine once and all get its answer.
 A chat prompt that extends an earlier completion of the session is recorded by reference to it
 (forge_stream.events.prompts; `GatewaySettings.prompt_refs`), so a session's bytes grow linearly with its turns,
 not with their square.
@@ -50,7 +52,7 @@ from forge_stream.gateway.engines import Engine, EnginePool
 from forge_stream.gateway.protocol import GatewayError, engine_error, engine_stream_error, invalid
 from forge_stream.gateway.recording import (
     ChoiceRecord, Kind, RequestContext, StreamAccumulator, chat_choices, chat_messages_json, client_json,
-    completion_choices, completion_record, dumps, engine_json, sampling_setting,
+    completion_choices, completion_record, dumps, engine_json, request_digest, sampling_setting,
 )
 from forge_stream.gateway.replay import recorded_answer
 from forge_stream.gateway.restore import SessionRestorer
@@ -118,6 +120,12 @@ def sse_data(event: bytes) -> bytes | None:
     return None
 
 
+def reused_key(key: str) -> GatewayError:
+    return GatewayError(422, f"Idempotency-Key {key!r} was sent with another request of this session (another "
+                             "endpoint or body): a retry must repeat its request as it was; a new request needs a new "
+                             "key.", "invalid_request_error", "Idempotency-Key", code="idempotency_key_reused")
+
+
 class NotAcknowledged(GatewayError):
     """503: events were sent and Kafka did not acknowledge them, so they may still have been written."""
 
@@ -131,6 +139,7 @@ class CompletionPath:
     http: aiohttp.ClientSession
     pool: EnginePool
     restorer: SessionRestorer
+    calls_answered = 0  # chat and completions calls this process answered (run, or answered as recorded)
 
     def unavailable(self, message: str) -> GatewayError:
         return GatewayError(503, message, "service_unavailable", retry_after=self.settings.retry_after_s)
@@ -228,36 +237,60 @@ class CompletionPath:
         if idempotency_key is not None:
             request_id = deterministic_id("request", session.id, idempotency_key)
         request_id = request_id or new_event_id()
-        entered = False
+        entered, digest = False, None
         try:
             session.require_open()
             n = check_request(kind, body, self.settings)
             if len(agent) > self.settings.max_id_length:
                 raise invalid(f"X-Forge-Agent is longer than {self.settings.max_id_length} characters.",
                               "X-Forge-Agent")
-            if idempotency_key is not None and (answer := await self._recorded(session, kind, body, request_id)):
-                lease.release()
-                return answer
-            session.require_open()
-            session.enter(request_id)
-            entered = True
-            result = await self._forward(session, kind, body, agent, lease.asked_ms, n, lease, request_id)
+            if idempotency_key is None:
+                session.enter(request_id)
+                entered = True
+            else:
+                digest = request_digest(kind, body)
+                await self._enter_once(session, request_id)
+                entered = True
+                if answer := await self._recorded(session, kind, body, request_id, digest, idempotency_key):
+                    self._leave(session, request_id)
+                    lease.release()
+                    self.calls_answered += 1
+                    return answer
+            result = await self._forward(session, kind, body, agent, lease.asked_ms, n, lease, request_id, digest)
         except BaseException:
             if entered:
-                session.leave(request_id)
+                self._leave(session, request_id)
             lease.release()
             raise
         if isinstance(result, bytes):
-            session.leave(request_id)
+            self._leave(session, request_id)
             lease.release()
+        self.calls_answered += 1
         return result
 
-    async def _recorded(self, session: Session, kind: Kind, body: dict,
-                        request_id: str) -> bytes | AsyncIterator[bytes] | None:
-        """The answer of the call `request_id` as it was recorded, if it was (its first try, in flight here,
-        awaited first); None when it was not."""
+    async def _enter_once(self, session: Session, request_id: str) -> None:
+        """Enter the call `request_id` of an Idempotency-Key once no other try of it is in flight: one here is
+        waited for, then one on another worker of this host. (A try with another endpoint or body waits too: which
+        request the key is bound to is what the first try that is recorded asked.)"""
         while (first := session.calls.get(request_id)) is not None:
             await first.wait()
+        session.require_open()
+        session.enter(request_id)  # no await since the check: the other tries here wait for this one
+        try:
+            await self.restorer.claim(request_id)
+        except BaseException:
+            session.leave(request_id)
+            raise
+
+    def _leave(self, session: Session, request_id: str) -> None:
+        """The call `request_id` ended here: its next try may run, here or on another worker."""
+        session.leave(request_id)
+        self.restorer.release(request_id)
+
+    async def _recorded(self, session: Session, kind: Kind, body: dict, request_id: str, digest: str,
+                        key: str) -> bytes | AsyncIterator[bytes] | None:
+        """The answer of the call `request_id` as it was recorded, if it was; None when it was not. 422 when it
+        was recorded for another endpoint or body."""
         session.require_open()
         async with session.recording, self.restorer.numbering(session):  # up to date with the other workers' turns
             pass
@@ -266,13 +299,16 @@ class CompletionPath:
         records = await self.restorer.answered(session, request_id)
         if not records:
             return None
+        if records[0]["request_digest"] not in (None, digest):  # (None: recorded before requests had digests)
+            raise reused_key(key)
         log.info("session %s: call %s was recorded already (turn %d): answered as recorded", session.id,
                  request_id, records[0]["turn"])
         return recorded_answer(kind, request_id, records, bool(body.get("stream")))
 
     async def _forward(self, session: Session, kind: Kind, body: dict, agent: str, received: int, n: int,
-                       lease: Lease, request_id: str) -> bytes | AsyncIterator[bytes]:
-        """`complete` past admission; a stream takes over `lease` and releases it when it ends."""
+                       lease: Lease, request_id: str, digest: str | None) -> bytes | AsyncIterator[bytes]:
+        """`complete` past admission (`digest`: its request's, with an Idempotency-Key); a stream takes over `lease`
+        and releases it when it ends."""
         session.require_open()  # again: it may have been finished while this call waited for a slot
         answered = answered_calls(body["messages"], session.pending) if kind == "chat" else []
         session.take_answered([call for call, _ in answered])
@@ -294,7 +330,8 @@ class CompletionPath:
             tools_json=dumps(body["tools"]) if kind == "chat" and body.get("tools") else None,
             temperature=sampling_setting(body, "temperature"), top_p=sampling_setting(body, "top_p"),
             logprobs_mode=self.settings.engine_logprobs_mode, message_parts=parts,
-            message_digests=tuple(map(message_digest, parts)) if self.settings.prompt_refs else ())
+            message_digests=tuple(map(message_digest, parts)) if self.settings.prompt_refs else (),
+            request_digest=digest)
         try:
             self._check_event_size(session, ctx, body)
         except GatewayError:
@@ -403,7 +440,7 @@ class CompletionPath:
                 async for event in events:
                     yield event
         finally:
-            session.leave(ctx.request_id)
+            self._leave(session, ctx.request_id)
             lease.release()
 
     async def _relay_events(self, session: Session, ctx: RequestContext, response: aiohttp.ClientResponse,

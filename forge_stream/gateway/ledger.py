@@ -12,15 +12,23 @@ of every record). On one host the workers can tell each other directly, in a fil
 A worker bumps its own counter of the session's bucket after Kafka acknowledged what it recorded, and before it
 answers its caller. Before serving a call of a held session, it reads the other workers' counters of that bucket:
 unchanged since it last brought the session up to date means nobody else recorded for it, so the call costs two
-memory reads instead of a round trip to the broker; changed means it rebuilds the session first. Each counter has
+memory reads instead of a round trip to the broker; changed means it catches the session up first. Each counter has
 one writer (its worker), so no lock is taken per call; a 4-byte aligned store is atomic. Sessions that share a
 bucket (crc32 of the id, 262,144 buckets) can only cause a needless rebuild, never a missed one.
 
 A session's turns are numbered by one worker at a time: a worker records a turn holding a lock on the byte of the
-session's bucket (`hold`, an open-file-description lock: `F_OFD_SETLK`, so two ledgers mapped by one process exclude
-each other too), and, holding it, first catches the session up if another worker recorded for it since. So two calls
-of one session served at once by two workers take turns k and k + 1, never k twice. Sessions sharing a bucket share
-the lock (they only wait on each other). The lock dies with its worker: a SIGKILLed worker holds nothing.
+session's bucket (`take` of `session_byte`, an open-file-description lock: `F_OFD_SETLK`, so two ledgers mapped by
+one process exclude each other too), and, holding it, first catches the session up if another worker recorded for it
+since. So two calls of one session served at once by two workers take turns k and k + 1, never k twice. Sessions
+sharing a bucket share the lock (they only wait on each other). The lock dies with its worker: a SIGKILLed worker
+holds nothing; one that hangs (stopped, or stuck) holds it on, so a wait for it has a limit, past which the waiter
+gives up (`LockBusy`).
+
+A call sent with an Idempotency-Key is run by one worker at a time the same way (`call_byte`): a lock on the byte of
+its request id's bucket, in a second range of bytes past the buckets', held from before the worker checks whether
+the call was recorded until it has recorded it (or failed), so a worker that takes it after another one finds the
+call recorded and answers it as recorded instead of running it again. Request ids sharing a bucket wait on each
+other needlessly, never run twice.
 
 A worker takes a slot at start under an exclusive `flock` of the file: a free one, or that of a worker that died
 (uvicorn starts a new worker in its place). The file lives as long as `serve` runs (`WorkerLedger.hosted`), which
@@ -38,8 +46,8 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from forge_stream.proc import alive
@@ -48,8 +56,9 @@ BUCKETS = 1 << 18
 _PID_BYTES = 8
 _PREFIX = "forge-gateway-ledger-"
 _STALE_AFTER_S = 10.0  # younger files are left alone: their `serve` may be about to lock them
-_SERVE_BYTE = 0  # `serve` holds a read lock on byte 0 while it runs; byte 1 + b is the lock of bucket b
-_LOCK_WAIT_S = (0.0005, 0.02)  # polling a held bucket lock: first wait, longest wait
+# `serve` holds a read lock on byte 0 while it runs; byte 1 + b is the lock of bucket b, 1 + BUCKETS + c of calls' c
+_SERVE_BYTE = 0
+_LOCK_WAIT_S = (0.0005, 0.02)  # polling a lock another worker holds: first wait, longest wait
 
 
 def _ofd_lock(fd: int, kind: int, offset: int) -> bool:
@@ -91,8 +100,12 @@ def remove_stale(directory: str) -> None:
             os.close(fd)
 
 
+class LockBusy(TimeoutError):
+    """Another worker held a lock of the ledger past the wait's limit (it may be stuck or stopped)."""
+
+
 class WorkerLedger:
-    """One worker's view of the host's ledger file (`path`, made by `create` for `workers` processes)."""
+    """One worker's view of the host's ledger file (`path`, made by `hosted` for `workers` processes)."""
 
     def __init__(self, path: str, workers: int):
         self.path, self.workers = path, workers
@@ -106,16 +119,9 @@ class WorkerLedger:
             os.close(fd)
             raise
         self._fd = fd  # open while the worker runs: the bucket locks are taken on it
-        self._held: dict[int, int] = {}  # bucket -> how many of this worker's turns hold its lock
+        self._held: dict[int, int] = {}  # locked byte -> how many of this worker's takers hold it
         self._pids = memoryview(self._map)[:workers * _PID_BYTES].cast("Q")
         self._counters = memoryview(self._map)[workers * _PID_BYTES:].cast("I")
-
-    @staticmethod
-    def create(workers: int, directory: str | None = None) -> str:
-        """A new ledger file for `workers` processes; remove it when they are gone."""
-        fd, path = WorkerLedger._new_file(workers, _directory(directory))
-        os.close(fd)
-        return path
 
     @staticmethod
     @contextmanager
@@ -170,26 +176,36 @@ class WorkerLedger:
         i = self._bucket(session_id) + self.slot
         self._counters[i] = (self._counters[i] + 1) & 0xFFFFFFFF
 
-    @asynccontextmanager
-    async def hold(self, session_id: str) -> AsyncIterator[None]:
-        """Hold the lock of the session's bucket (against the other workers) for the block: its turn is numbered
-        and recorded by one worker at a time. Waits, polling, while another worker holds it."""
-        bucket = zlib.crc32(session_id.encode()) % BUCKETS
-        if bucket not in self._held:
-            wait = _LOCK_WAIT_S[0]
-            while not _ofd_lock(self._fd, fcntl.F_WRLCK, 1 + bucket):
+    @staticmethod
+    def session_byte(session_id: str) -> int:
+        """The byte whose lock holds the session's turns: its bucket's."""
+        return 1 + zlib.crc32(session_id.encode()) % BUCKETS
+
+    @staticmethod
+    def call_byte(request_id: str) -> int:
+        """The byte whose lock `claim`s the call `request_id`: past the buckets' locks."""
+        return 1 + BUCKETS + zlib.crc32(request_id.encode()) % BUCKETS
+
+    async def take(self, byte: int, wait_s: float) -> None:
+        """Take the lock of `byte` against the other workers (this worker's takers share it: each `drop`s it once),
+        polling while another worker holds it; LockBusy when it still does after `wait_s` seconds."""
+        if byte not in self._held:
+            wait, deadline = _LOCK_WAIT_S[0], time.monotonic() + wait_s
+            while not _ofd_lock(self._fd, fcntl.F_WRLCK, byte):
+                if byte in self._held:  # another of this worker's takers took it meanwhile: share it
+                    break
+                if time.monotonic() >= deadline:
+                    raise LockBusy(f"another worker has held lock {byte} of {self.path} for over {wait_s:g} s")
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, _LOCK_WAIT_S[1])
-                if bucket in self._held:  # another of this worker's turns took it meanwhile: share it
-                    break
-        self._held[bucket] = self._held.get(bucket, 0) + 1
-        try:
-            yield
-        finally:
-            self._held[bucket] -= 1
-            if not self._held[bucket]:
-                del self._held[bucket]
-                _ofd_lock(self._fd, fcntl.F_UNLCK, 1 + bucket)
+        self._held[byte] = self._held.get(byte, 0) + 1
+
+    def drop(self, byte: int) -> None:
+        """Let go of a `take` of `byte`; the lock is released when this worker's last taker lets go."""
+        self._held[byte] -= 1
+        if not self._held[byte]:
+            del self._held[byte]
+            _ofd_lock(self._fd, fcntl.F_UNLCK, byte)
 
     def close(self) -> None:
         if self._map.closed:

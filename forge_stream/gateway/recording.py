@@ -18,6 +18,7 @@ only as far as they are recorded.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -266,6 +267,7 @@ class RequestContext:
     logprobs_mode: str = "processed"
     message_parts: tuple[bytes, ...] = ()  # chat: each message's JSON (messages_json is their JSON list)
     message_digests: tuple[bytes, ...] = ()  # chat, prompts by reference: message_digest of each of message_parts
+    request_digest: str | None = None  # a call with an Idempotency-Key: `request_digest` of its kind and body
 
 
 def chat_messages_json(parts: tuple[bytes, ...]) -> str:
@@ -285,6 +287,22 @@ def sampling_setting(body: dict, name: str) -> float:
     """
     value = body.get(name)
     return 1.0 if value is None else float(value)
+
+
+_DELIVERY = ("stream", "stream_options")  # how the answer is sent, not what it is: a retry may change them
+
+
+def request_digest(kind: Kind, body: dict) -> str:
+    """The SHA-256 (hex) of a call's endpoint and canonical body (keys sorted, `stream` and `stream_options` left
+    out): what an Idempotency-Key is bound to.
+
+    >>> a = request_digest("chat", {"messages": [], "model": "m", "stream": True})
+    >>> a == request_digest("chat", {"model": "m", "messages": []}), a == request_digest("completion", {"messages": [],
+    ...                                                                                              "model": "m"})
+    (True, False)
+    """
+    canonical = orjson.dumps({k: v for k, v in body.items() if k not in _DELIVERY}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(kind.encode() + b"\n" + canonical).hexdigest()
 
 
 def dumps(value) -> str:
@@ -342,4 +360,5 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "prompt_ref": None,
         "prompt_ref_tokens": 0,
         "prompt_ref_messages": 0,
+        "request_digest": ctx.request_digest,
     }

@@ -29,7 +29,7 @@ Workers of one host (`gateway serve --workers N`, `GatewaySettings.worker_ledger
 shared memory instead (forge_stream.gateway.ledger): a held session whose bucket another worker wrote to since it was
 last brought up to date is caught up (or closed, if finished there); otherwise a call asks nothing of Kafka. Workers
 number a session's turns under the session's lock in that ledger (`SessionRestorer.numbering`), so they never
-collide.
+collide, and run a call sent with an Idempotency-Key one worker at a time (`SessionRestorer.claim`), so it runs once.
 
 The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
 """
@@ -49,7 +49,7 @@ from confluent_kafka import KafkaException
 
 from forge_stream.events import now_ms
 from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
-from forge_stream.gateway.ledger import WorkerLedger
+from forge_stream.gateway.ledger import LockBusy, WorkerLedger
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
@@ -324,6 +324,7 @@ class SessionRestorer:
         self.ledger = (WorkerLedger(settings.worker_ledger, settings.workers)
                        if settings.worker_ledger is not None and self.log is None else None)
         self._loading: dict[str, asyncio.Future] = {}
+        self._claimed: set[str] = set()  # request ids of the calls this process claimed from the other workers
         self.restored = 0
         self.refreshed = 0  # held sessions caught up because another replica recorded for them
         self.collisions: set[tuple[str, int]] = set()  # (session id, turn) recorded by two requests
@@ -415,18 +416,51 @@ class SessionRestorer:
         brings the session up to date where it may be behind: another worker of this host recorded for it (the
         ledger; the block then holds the session's lock against the other workers, so no two number a turn at once),
         another replica did (`everyone`), or a write of this process was not acknowledged and may have landed
-        (`Session.unsure`). A session finished elsewhere meanwhile is closed here (409)."""
+        (`Session.unsure`). A session finished elsewhere meanwhile is closed here (409). A worker that holds the
+        session's lock past `turn_lock_wait_s` (hung) is given up on: 503 with Retry-After."""
         if self.ledger is None:
             if session.unsure or (everyone and self.log is not None):
                 await self._bring_up(session, finished_check=False)
             yield
             return
-        async with self.ledger.hold(session.id):
+        byte = self.ledger.session_byte(session.id)
+        wait = self.settings.turn_lock_wait_s
+        await self._take(byte, wait, f"Another worker of this gateway has held the lock of session {session.id}'s "
+                                     f"turns for over {wait:g} s (it may be stuck); nothing was recorded: retry soon.")
+        try:
             seen = self.ledger.others(session.id)  # read before the events: a later write shows at the next call
             if session.unsure or seen != session.ledger_seen:
                 await self._bring_up(session, finished_check=seen != session.ledger_seen)
                 session.ledger_seen = seen
             yield
+        finally:
+            self.ledger.drop(byte)
+
+    async def _take(self, byte: int, wait_s: float, busy: str) -> None:
+        """Take the ledger's lock of `byte`; 503 saying `busy` when another worker still holds it after `wait_s`."""
+        try:
+            await self.ledger.take(byte, wait_s)
+        except LockBusy as exc:
+            log.warning("%s", exc)
+            raise GatewayError(503, busy, "service_unavailable", retry_after=self.settings.retry_after_s) from exc
+
+    async def claim(self, request_id: str) -> None:
+        """Workers of one host: wait until no other worker runs the call `request_id` (an Idempotency-Key's), and
+        keep the others from running it until `release` (after it was recorded or failed). 503 after waiting
+        `engine_timeout_s` and `turn_lock_wait_s`, the longest a try of it takes."""
+        if self.ledger is None:
+            return
+        wait = self.settings.engine_timeout_s + self.settings.turn_lock_wait_s
+        await self._take(self.ledger.call_byte(request_id), wait,
+                         f"Another worker of this gateway has been serving the call with this Idempotency-Key for "
+                         f"over {wait:g} s; retry it shortly (once that try ends it is answered as recorded).")
+        self._claimed.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The call `request_id` this process `claim`ed ended: other workers may serve it (as recorded, if it was)."""
+        if request_id in self._claimed:
+            self._claimed.discard(request_id)
+            self.ledger.drop(self.ledger.call_byte(request_id))
 
     async def _bring_up(self, session: Session, finished_check: bool) -> None:
         if finished_check:

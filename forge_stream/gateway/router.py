@@ -1,4 +1,5 @@
-"""The gateway's HTTP surface: thin FastAPI routes over the GatewayService kept in `app.state.gateway`.
+"""The gateway's HTTP surface over the GatewayService kept in `app.state.gateway`: the agents' calls (`AGENT_CALLS`,
+which the app serves without FastAPI's routing: forge_stream.gateway.app) and thin FastAPI routes for the rest.
 
 Agents: `/s/{session_id}/v1/chat/completions`, `/s/{session_id}/v1/completions`, `/s/{session_id}/v1/responses`
 (the Responses API, served through the chat path), `/s/{session_id}/v1/messages` (Anthropic's Messages API, also
@@ -154,12 +155,27 @@ async def _message(request: Request, session_id: str | None) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-AGENT_CALLS = {  # path after /v1/ -> (request, session id or None) -> response: the routes below, in one table
+AGENT_CALLS = {  # path after /v1/ -> (request, session id or None) -> response; served by GatewayApp, not routes
     "chat/completions": lambda request, session_id: _complete(request, session_id, "chat"),
     "completions": lambda request, session_id: _complete(request, session_id, "completion"),
     "responses": lambda request, session_id: _complete(request, session_id, "responses"),
     "messages": _message,
 }
+_BODIES = {"chat/completions": CHAT, "completions": COMPLETION, "messages": MESSAGES}  # what their bodies are
+
+
+def agent_paths() -> dict:
+    """The OpenAPI description of the agents' calls (each under /s/{session_id}/v1/ and /v1/), which FastAPI does
+    not describe, having no routes for them."""
+    answer = {"responses": {"200": {"description": "The answer, or a stream of server-sent events",
+                                    "content": {"application/json": {"schema": {}}}}}}
+    in_path = {"parameters": [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+    paths = {}
+    for name in AGENT_CALLS:
+        post = {**(httpbody.openapi_body(_BODIES[name]) if name in _BODIES else {}), **answer}
+        paths[f"/s/{{session_id}}/v1/{name}"] = {"post": {**post, **in_path}}
+        paths[f"/v1/{name}"] = {"post": post}
+    return paths
 
 
 def agent_call(path: str):
@@ -179,46 +195,6 @@ def agent_call(path: str):
         path = "/" + path
     handler = AGENT_CALLS.get(path[4:]) if path.startswith("/v1/") else None
     return None if handler is None else (handler, session_id)
-
-
-@router.post("/s/{session_id}/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
-async def session_messages(session_id: str, request: Request) -> Response:
-    return await _message(request, session_id)
-
-
-@router.post("/v1/messages", openapi_extra=httpbody.openapi_body(MESSAGES))
-async def messages(request: Request) -> Response:
-    return await _message(request, None)
-
-
-@router.post("/s/{session_id}/v1/responses")
-async def session_responses(session_id: str, request: Request) -> Response:
-    return await _complete(request, session_id, "responses")
-
-
-@router.post("/v1/responses")
-async def responses(request: Request) -> Response:
-    return await _complete(request, None, "responses")
-
-
-@router.post("/s/{session_id}/v1/chat/completions", openapi_extra=httpbody.openapi_body(CHAT))
-async def session_chat(session_id: str, request: Request) -> Response:
-    return await _complete(request, session_id, "chat")
-
-
-@router.post("/s/{session_id}/v1/completions", openapi_extra=httpbody.openapi_body(COMPLETION))
-async def session_completions(session_id: str, request: Request) -> Response:
-    return await _complete(request, session_id, "completion")
-
-
-@router.post("/v1/chat/completions", openapi_extra=httpbody.openapi_body(CHAT))
-async def chat(request: Request) -> Response:
-    return await _complete(request, None, "chat")
-
-
-@router.post("/v1/completions", openapi_extra=httpbody.openapi_body(COMPLETION))
-async def completions(request: Request) -> Response:
-    return await _complete(request, None, "completion")
 
 
 async def _models(request: Request) -> Response:
@@ -247,6 +223,7 @@ async def health(request: Request) -> dict:
     return {"status": "ok", "pid": os.getpid(), "sessions": len(service.sessions),
             "open_sessions": service.sessions.open, "admission": service.admission.view(),
             "sessions_restored": service.restorer.restored, "sessions_refreshed": service.restorer.refreshed,
+            "calls_answered": service.calls_answered,  # chat and completions calls (run, or answered as recorded)
             "turn_collisions": len(service.restorer.collisions),
             "session_records_read": service.restorer.events.records_read,  # by the rebuilds and catch-ups above
             "session_records_scanned": service.restorer.events.records_scanned,  # and went through to find those

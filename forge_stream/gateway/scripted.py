@@ -10,7 +10,7 @@ chat responses (first stream chunk of each choice), `prompt_token_ids` per compl
 choice or per chunk, OpenAI logprobs, `stop_reason` (the `stop` string that cut a reply); a last chunk with `usage`
 and no choices when `stream_options.include_usage` is set; plus `policy_version`. With `token_ids=False` it
 behaves as an engine that cannot return ids. With `delay_s` each completion takes that long (a stand-in for
-decoding time, for load tests).
+decoding time, for load tests). `served` counts the completions it was asked for.
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
 Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
@@ -71,6 +71,7 @@ class ScriptedEngine:
     delay_s: float = 0.0
 
     def __post_init__(self):
+        self.served = 0  # chat and completions requests answered
         self._script = itertools.cycle(self.replies)
         calls = (self.tool_call,) if isinstance(self.tool_call, str) else self.tool_call or ()
         self._calls = itertools.cycle(calls) if calls else None
@@ -189,6 +190,8 @@ class ScriptedEngine:
         path = scope["path"]
         if self.delay_s and path in ("/v1/chat/completions", "/v1/completions"):
             await asyncio.sleep(self.delay_s)
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            self.served += 1
         if path == "/v1/chat/completions":
             result = self.chat(orjson.loads(body))
         elif path == "/v1/completions":

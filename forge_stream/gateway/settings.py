@@ -75,6 +75,10 @@ class GatewaySettings:
     # hosts), Kafka's tail is followed instead
     worker_ledger: str | None = None
     workers: int = 1
+    # how long a worker waits for another one's lock of a session's turns in that ledger (held while it catches the
+    # session up and Kafka acknowledges a turn: seconds at most) before it gives up with 503 and Retry-After: the
+    # holder hangs. A call with an Idempotency-Key waits for another worker's try of it up to engine_timeout_s more
+    turn_lock_wait_s: float = 30.0
 
     def __post_init__(self):
         refuse_open_bind("The gateway", self.host, self.admin_token, GATEWAY_ENV)

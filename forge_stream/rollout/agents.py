@@ -1,4 +1,5 @@
-"""How an agent is launched for one session: a command line (any language) or a Python coroutine.
+"""How an agent is launched for one session: a command line (any language), or any `Agent` (a coroutine function of
+the session's context that returns an AgentResult).
 
 The agent only learns an OpenAI base URL and key (OPENAI_BASE_URL, OPENAI_API_KEY: its session's token, never the
 deployment's) and its task (FORGE_TASK_JSON, also on stdin); whatever it prints on stdout is its output for the
@@ -13,7 +14,7 @@ import json
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Protocol
 
 from forge_stream.credentials import agent_env
 
@@ -68,14 +69,3 @@ class CommandAgent:
                                f"agent exited with {proc.returncode}: {' | '.join(tail)}")
         return AgentResult(out.decode(errors="replace"), True)
 
-
-def callable_agent(fn: Callable[[AgentContext], Awaitable[str]]) -> Agent:
-    """Wrap `async fn(ctx) -> output` as an Agent; an exception marks the session as errored."""
-
-    async def run(ctx: AgentContext) -> AgentResult:
-        try:
-            return AgentResult(await fn(ctx), True)
-        except Exception as exc:  # the agent's failure is data for the trajectory, not a controller crash
-            return AgentResult("", False, f"{type(exc).__name__}: {exc}")
-
-    return run

@@ -46,10 +46,6 @@ class PackedTree:
         """T: tokens over all sequences, counted with repetition."""
         return sum(self.lengths)
 
-    def sequence_tokens(self, i: int) -> torch.Tensor:
-        """The token ids of sequence i (rebuilt from its path)."""
-        return self.token_ids[self.paths[i]]
-
 
 def pack(sequences: Sequence[Sequence[int]]) -> PackedTree:
     """Merge token sequences into one trie (a forest when first tokens differ), in DFS pre-order.

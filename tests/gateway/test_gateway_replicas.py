@@ -85,8 +85,10 @@ def sharing(request, tmp_path):
     """How replicas learn what the others recorded: following Kafka (`--shared-sessions`, replicas on any hosts), or
     the workers' ledger of one host (`--workers N`: here two gateways in this process map one ledger file)."""
     if request.param == "kafka":
-        return {"shared_sessions": True}
-    return {"worker_ledger": WorkerLedger.create(2, str(tmp_path)), "workers": 2}
+        yield {"shared_sessions": True}
+        return
+    with WorkerLedger.hosted(2, str(tmp_path)) as path:
+        yield {"worker_ledger": path, "workers": 2}
 
 
 def _health(url: str) -> dict:
@@ -516,9 +518,9 @@ def test_workers_of_one_host_number_a_session_s_concurrent_turns_once_each(kafka
                                                                           tmp_path):
     """Workers of one host (the ledger) number a session's turns under the session's lock: two calls served at once
     by two workers each holding the session take turns 2 and 3, not 2 twice; the session's count is right."""
-    ledger = {"worker_ledger": WorkerLedger.create(2, str(tmp_path)), "workers": 2}
-    with serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
-            make_gateway(engines=(slow,), **ledger) as a, make_gateway(engines=(slow,), **ledger) as b:
+    with WorkerLedger.hosted(2, str(tmp_path)) as path, serving(ScriptedEngine(REPLIES, delay_s=2.0)) as slow, \
+            make_gateway(engines=(slow,), worker_ledger=path, workers=2) as a, \
+            make_gateway(engines=(slow,), worker_ledger=path, workers=2) as b:
         session = open_session(a, run_id)
         sid, path = session["session_id"], session["path"]
         hi = _turn_on_each_then_both_at_once(a, b, path)

@@ -1,11 +1,14 @@
 """One turn per turn: each call of a session is recorded once, under a turn number no other call of it has, whatever
-the concurrency (two worker processes), the retries (an Idempotency-Key), a delivery Kafka took but did not
-acknowledge in time, a gateway restart, or a finish that comes while calls are in flight."""
+the concurrency (two worker processes), the retries (an Idempotency-Key, also sent by several calls at once), a
+delivery Kafka took but did not acknowledge in time, a worker hung holding a session's lock, a gateway restart, or
+a finish that comes while calls are in flight."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from forge_stream.gateway.ledger import WorkerLedger
 from forge_stream.gateway.scripted import ScriptedEngine
 from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
@@ -21,7 +25,7 @@ from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
 from helpers import read_events, serving
-from test_gateway_replicas import gateway_process
+from test_gateway_replicas import _workers, gateway_process
 
 pytestmark = pytest.mark.kafka
 
@@ -61,8 +65,10 @@ def test_concurrent_calls_of_one_session_on_two_worker_processes_take_one_turn_e
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: _post(url + path), range(16)))
         assert [a.status_code for a in answers] == [200] * 16
+        served = [h["calls_answered"] for h in _workers(url).values()]
         finish = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"status": "ok"})
         assert finish.status_code == 200, finish.text
+    assert len(served) == 2 and min(served) > 0 and sum(served) == 16, served  # both workers took calls
     recorded = _recorded(kafka_bootstrap, sid)
     assert [r["turn"] for r in recorded] == list(range(16))
     assert len({r["request_id"] for r in recorded}) == 16
@@ -89,6 +95,96 @@ def test_a_call_retried_with_its_idempotency_key_is_answered_as_recorded(kafka_b
     recorded = _recorded(kafka_bootstrap, sid)
     assert [(r["turn"], r["output_text"]) for r in recorded] == [(0, first), (1, other)]
     assert _finished(kafka_bootstrap, sid)["num_completions"] == 2
+
+
+def test_an_idempotency_key_is_bound_to_its_request(kafka_bootstrap, make_gateway, run_id):
+    """Eight calls sent at once with one key run the engine once and all get its answer; the key with another body
+    (sent at the same time, or after) or on the completions endpoint is refused with 422 saying so, and nothing of
+    those is recorded; the session finishes at once (no call is left counted in flight)."""
+    engine = ScriptedEngine(REPLIES, delay_s=0.5)
+    with serving(engine) as engine_url, make_gateway(engines=(engine_url,), engine_timeout_s=20) as gateway:
+        session = open_session(gateway, run_id)
+        sid, url = session["session_id"], gateway + session["path"]
+        with ThreadPoolExecutor(9) as pool:
+            same = [pool.submit(_post, url, "the-call") for _ in range(8)]
+            other_at_once = pool.submit(_post, url, "the-call", max_tokens=5)
+            answers = [_content(call.result()) for call in same]
+        other_after = _post(url, key="the-call", temperature=0.5)
+        elsewhere = httpx.post(f"{url}/completions", headers={"Idempotency-Key": "the-call"}, timeout=60,
+                               json={"model": "scripted", "prompt": "hi"})
+        again = _content(_post(url, key="the-call", stream=False))  # the same request: answered as recorded
+        finish = httpx.post(f"{gateway}/v1/sessions/{sid}/finish", json={"status": "ok"}, timeout=60)
+        assert finish.status_code == 200, finish.text
+    assert answers == [REPLIES[0]] * 8 and again == REPLIES[0] and engine.served == 1
+    for refused in (other_at_once.result(), other_after, elsewhere):
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("Idempotency-Key", "idempotency_key_reused"), error
+        assert "another request of this session" in error["message"] and "new key" in error["message"], error
+    assert [(r["turn"], r["output_text"]) for r in _recorded(kafka_bootstrap, sid)] == [(0, REPLIES[0])]
+    assert _finished(kafka_bootstrap, sid)["num_completions"] == 1
+
+
+def test_calls_sent_at_once_with_one_key_run_the_engine_once_across_workers(kafka_bootstrap, run_id):
+    """`serve --workers 2`: eight calls of a session sent at once with one Idempotency-Key, each on its own
+    connection: the engine sees one, all eight get its answer, Kafka holds it once, and the finish counts it. A round
+    whose eight connections the kernel all gave to one worker (1 in 128) is run again with another key, until both
+    workers took some."""
+    engine = ScriptedEngine(REPLIES, delay_s=0.5)
+    with serving(engine) as engine_url, gateway_process(engine_url, kafka_bootstrap, "--workers", "2") as (url, _):
+        session = open_session(url, run_id)
+        sid, path = session["session_id"], session["path"]
+        before: dict[int, int] = {}
+        for round_ in range(6):
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda _: _post(url + path, f"call-{round_}"), range(8)))
+            assert [_content(a) for a in answers] == [REPLIES[round_]] * 8
+            assert engine.served == round_ + 1
+            served = {pid: h["calls_answered"] for pid, h in _workers(url).items()}
+            took = [served[pid] - before.get(pid, 0) for pid in served]
+            assert sum(took) == 8, (served, before)
+            if len(took) == 2 and min(took) > 0:
+                break
+            before = served
+        else:
+            raise AssertionError("the kernel gave every round's connections to one worker")
+        finish = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"status": "ok"}, timeout=60)
+        assert finish.status_code == 200, finish.text
+    recorded = _recorded(kafka_bootstrap, sid)
+    assert [(r["turn"], r["output_text"]) for r in recorded] == [(i, REPLIES[i]) for i in range(round_ + 1)]
+    assert _finished(kafka_bootstrap, sid)["num_completions"] == round_ + 1
+
+
+_HOLDER = """import asyncio, os, signal, sys
+from forge_stream.gateway.ledger import WorkerLedger
+ledger = WorkerLedger(sys.argv[1], 2)
+asyncio.run(ledger.take(ledger.session_byte(sys.argv[2]), 10))
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_worker_hung_holding_a_session_s_lock_gets_the_waiting_call_a_503(kafka_bootstrap, make_gateway, run_id,
+                                                                              tmp_path):
+    """A worker that stops (SIGSTOP) while it holds the ledger's lock of a session: another worker's call of the
+    session waits `turn_lock_wait_s` for it, then answers 503 with Retry-After, nothing recorded; once the holder is
+    gone, the call is served."""
+    with WorkerLedger.hosted(2, str(tmp_path)) as ledger, serving(ScriptedEngine(REPLIES)) as engine_url, \
+            make_gateway(engines=(engine_url,), worker_ledger=ledger, workers=2, turn_lock_wait_s=2) as gateway:
+        session = open_session(gateway, run_id)
+        sid, url = session["session_id"], gateway + session["path"]
+        _content(_post(url))
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, ledger, sid], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            refused = _post(url)
+        finally:
+            holder.kill()  # the lock dies with its holder
+            holder.wait()
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "2", refused.text
+        assert "may be stuck" in refused.json()["error"]["message"], refused.text
+        _content(_post(url))
+    assert [r["turn"] for r in _recorded(kafka_bootstrap, sid)] == [0, 1]
 
 
 def test_a_restarted_gateway_does_not_open_an_existing_session_again(kafka_bootstrap, make_gateway, run_id):

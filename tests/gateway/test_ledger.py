@@ -12,7 +12,11 @@ from forge_stream.gateway.ledger import WorkerLedger
 
 
 def test_a_worker_sees_the_others_writes_for_a_session_and_not_its_own(tmp_path):
-    path = WorkerLedger.create(3, str(tmp_path))
+    with WorkerLedger.hosted(3, str(tmp_path)) as path:
+        _sees_the_others_writes(path)
+
+
+def _sees_the_others_writes(path: str) -> None:
     a, b, c = (WorkerLedger(path, 3) for _ in range(3))
     assert {a.slot, b.slot, c.slot} == {0, 1, 2}
     seen = b.others("s1"), c.others("s1")
@@ -29,7 +33,11 @@ def test_a_worker_sees_the_others_writes_for_a_session_and_not_its_own(tmp_path)
 
 
 def test_slots_are_held_until_their_worker_is_gone(tmp_path):
-    path = WorkerLedger.create(2, str(tmp_path))
+    with WorkerLedger.hosted(2, str(tmp_path)) as path:
+        _slots_are_held_until_their_worker_is_gone(path)
+
+
+def _slots_are_held_until_their_worker_is_gone(path: str) -> None:
     a = WorkerLedger(path, 2)
     # a worker in another process takes the other slot and dies without letting it go (SIGKILL)
     subprocess.run([sys.executable, "-c", f"from forge_stream.gateway.ledger import WorkerLedger; "
@@ -53,8 +61,8 @@ def test_a_killed_serve_leaves_a_file_the_next_serve_removes_and_a_running_ones_
                               stdout=subprocess.PIPE, text=True)
     try:
         running = holder.stdout.readline().strip()
-        killed = WorkerLedger.create(2, str(tmp_path))
-        young = WorkerLedger.create(2, str(tmp_path))  # just made: its `serve` may be about to lock it
+        killed = _left_by_a_killed_serve(tmp_path)
+        young = _left_by_a_killed_serve(tmp_path)  # just made: its `serve` may be about to lock it
         for path in (running, killed):
             os.utime(path, (time.time() - 60, time.time() - 60))
         with WorkerLedger.hosted(2, str(tmp_path)) as mine:
@@ -65,3 +73,12 @@ def test_a_killed_serve_leaves_a_file_the_next_serve_removes_and_a_running_ones_
     finally:
         holder.kill()
         holder.wait()
+
+
+def _left_by_a_killed_serve(directory) -> str:
+    """The ledger file of a `serve` that died without removing it (SIGKILLed: here it exits at once)."""
+    done = subprocess.run([sys.executable, "-c", "import os\nfrom forge_stream.gateway.ledger import WorkerLedger\n"
+                           f"with WorkerLedger.hosted(2, {str(directory)!r}) as path:\n"
+                           "    print(path, flush=True)\n    os._exit(0)\n"],
+                          capture_output=True, text=True, check=True)
+    return done.stdout.strip()

@@ -7,7 +7,7 @@ import httpx
 from helpers import read_events, serving
 
 from forge_stream.kafka.producer import EventProducer
-from forge_stream.rollout.agents import callable_agent
+from forge_stream.rollout.agents import AgentResult
 from forge_stream.rollout.client import GatewayCallError, GatewayClient, RetryPolicy
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
 from forge_stream.rollout.sources import TaskSpec
@@ -41,10 +41,10 @@ def test_groups_wait_for_free_slots_and_sessions_time_only_the_agent(kafka_boots
         peak = max(peak, running)
         await asyncio.sleep(0.3)
         running -= 1
-        return "42"
+        return AgentResult("42", True)
 
     settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST)
-    result = run_controller(settings, callable_agent(agent), tasks(run_id, 6, 2))
+    result = run_controller(settings, agent, tasks(run_id, 6, 2))
     assert result == {**result, "groups": 6, "sessions": 12, "failed_sessions": 0, "mean_reward": 1.0}
     assert peak == 4
 
@@ -67,12 +67,12 @@ def test_a_failing_agent_fails_only_its_session(kafka_bootstrap, gateway, run_id
     async def agent(ctx):
         if ctx.task.get("explode"):
             raise RuntimeError("agent blew up")
-        return "42"
+        return AgentResult("42", True)
 
     source = [*tasks(run_id, 2, 2), TaskSpec(f"{run_id}-bad", {"answer": "42", "explode": True}, "agent",
                                              "numeric", 2)]
     settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=6, retry=FAST)
-    result = run_controller(settings, callable_agent(agent), source)
+    result = run_controller(settings, agent, source)
     assert result == {**result, "groups": 3, "sessions": 6, "failed_sessions": 2}
     finished = [e for e in read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "status" in r
                                        and r["task_id"].startswith(run_id))]
@@ -124,12 +124,12 @@ class Flaky:
 
 def test_http_failures_are_retried_and_isolated(kafka_bootstrap, gateway, run_id):
     async def agent(ctx):
-        return "42"
+        return AgentResult("42", True)
 
     source = [*tasks(run_id, 2, 2), TaskSpec(f"{run_id}-doomed", {"answer": "42"}, "agent", "numeric", 2)]
     with serving(Flaky(gateway, {})) as proxy:
         settings = RolloutSettings(proxy, kafka_bootstrap, name=run_id, concurrency=6, retry=FAST)
-        result = run_controller(settings, callable_agent(agent), source)
+        result = run_controller(settings, agent, source)
     assert result == {**result, "groups": 3, "sessions": 6, "failed_sessions": 2}
     finished = read_events(kafka_bootstrap, TOPICS.sessions, lambda r: "status" in r
                            and r["task_id"].startswith(run_id))
@@ -168,13 +168,13 @@ def test_stop_takes_no_new_group_and_lets_sessions_finish(kafka_bootstrap, gatew
         async def agent(ctx):
             stop.set()
             await asyncio.sleep(0.3)
-            return "42"
+            return AgentResult("42", True)
 
         producer = EventProducer(kafka_bootstrap)
         try:
             settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=2, loop=True,
                                        retry=FAST)
-            return await RolloutController(settings, callable_agent(agent), producer).run(
+            return await RolloutController(settings, agent, producer).run(
                 tasks(run_id, 5, 2), stop)
         finally:
             producer.close()
@@ -185,11 +185,11 @@ def test_stop_takes_no_new_group_and_lets_sessions_finish(kafka_bootstrap, gatew
 
 def test_loop_starts_the_source_over_with_new_group_ids(kafka_bootstrap, gateway, run_id):
     async def agent(ctx):
-        return "42"
+        return AgentResult("42", True)
 
     settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, loop=True, max_groups=5,
                                attempt=7, retry=FAST)
-    result = run_controller(settings, callable_agent(agent), tasks(run_id, 2, 2))
+    result = run_controller(settings, agent, tasks(run_id, 2, 2))
     assert result == {**result, "groups": 5, "cycles": 3}
     published = read_events(kafka_bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == run_id)
     assert len({t["group_id"] for t in published}) == 5
@@ -216,12 +216,12 @@ def test_replay_edge_reruns_tasks_whose_groups_had_a_signal(kafka_bootstrap, gat
         await asyncio.sleep(0.05)
         task = ctx.task["name"]
         calls[task] = calls.get(task, 0) + 1
-        return "42" if int(task[1:]) % 2 or calls[task] % 2 else "7"
+        return AgentResult("42" if int(task[1:]) % 2 or calls[task] % 2 else "7", True)
 
     source = [TaskSpec(f"{run_id}-t{i}", {"answer": "42", "name": f"t{i}"}, "agent", "numeric", 2)
               for i in range(16)]
     settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST, replay_edge=0.5)
-    result = run_controller(settings, callable_agent(agent), source)
+    result = run_controller(settings, agent, source)
     published = read_events(kafka_bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == run_id)
     replays = [t for t in published if "replay_of" in t["metadata"]]
     assert result["groups"] == len(published) == 16 + len(replays) and result["replayed_groups"] == len(replays) > 0

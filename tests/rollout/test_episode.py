@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from forge_stream.rollout.agents import CommandAgent, callable_agent
+from forge_stream.rollout.agents import AgentResult, CommandAgent
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
 from forge_stream.rollout.episode import run_episode
 from forge_stream.rollout.sources import TaskSpec
@@ -45,9 +45,9 @@ def test_the_agent_gets_the_question_and_the_grader_the_answer(domain):
 
         async def agent(ctx, answer=task.reference["answer"]):
             seen.append(ctx.task)
-            return answer  # an agent that solved it
+            return AgentResult(answer, True)  # an agent that solved it
 
-        assert episode(callable_agent(agent), task) == [1.0]
+        assert episode(agent, task) == [1.0]
         assert seen == [task.prompt]
     again = [TaskSpec.from_json(json.loads(line)) for line in to_jsonl([task]).splitlines()]
     assert again == [task]  # a task file keeps the reference apart too

@@ -280,7 +280,7 @@ def test_a_group_over_the_token_budget_is_split_across_micro_batches_exactly():
     assert tree.num_rows == 27
     runs = split_sequences(tree, 12)
     assert runs == [[0, 1], [2, 3], [4]]  # 11 and 9 rows; the 13-token path alone
-    assert [pack([tree.sequence_tokens(i).tolist() for i in run]).num_rows for run in runs] == [11, 9, 13]
+    assert [pack([tree.token_ids[tree.paths[i]].tolist() for i in run]).num_rows for run in runs] == [11, 9, 13]
     plan = micro_batch_plan(samples, 12)
     assert [ref["completion_id"] for _, refs in plan for ref in refs][:5] == [f"big-{i}" for i in range(5)]
     assert [forest.num_rows for forest, _ in plan][:3] == [11, 9, 13]
@@ -318,7 +318,7 @@ def test_the_turns_of_a_session_longer_than_the_budget_share_its_longest_turns_p
     assert [forest.num_rows for forest, _ in plan] == [23, 11, 23]
     for (forest, refs), run in zip(plan, runs):
         assert [ref["completion_id"] for ref in refs] == [f"long-{i}" for i in run]
-        assert [forest.sequence_tokens(j).tolist() for j in range(len(run))] == [sequences[i] for i in run]
+        assert [forest.token_ids[forest.paths[j]].tolist() for j in range(len(run))] == [sequences[i] for i in run]
     weights, heard = [], []
     for budget in (16, 10**6):
         model = tiny_causal_lm("llama", dtype=torch.float64, seed=3)
