@@ -36,8 +36,10 @@ def test_register_adds_a_version_and_keeps_the_old_one_readable(schemas):
     schema = json.loads(path.read_text())
     schema["fields"].append({"name": "extra", "type": "string", "default": ""})
     path.write_text(json.dumps(schema))
+    next_id = 1 + max(entry["id"] for entry in json.loads((schemas / "registry.json").read_text())["schemas"])
     changes = register(schemas)
-    assert changes == ["forge.events.Reward v2 -> id 31 (reward.avsc)"]
+    assert changes == [f"forge.events.Reward v2 -> id {next_id} (reward.avsc)"]
     registry = load_registry(schemas)
     versions = registry.versions["forge.events.Reward"]
-    assert [(v.version, v.id, v.file) for v in versions] == [(1, 6, "history/reward.v1.avsc"), (2, 31, "reward.avsc")]
+    assert [(v.version, v.id, v.file) for v in versions] == [(1, 6, "history/reward.v1.avsc"),
+                                                              (2, next_id, "reward.avsc")]
