@@ -70,9 +70,12 @@ def adapter_base(path: str | Path) -> str:
 def load_adapter(base: torch.nn.Module, path: str | Path, trainable: bool = False):
     """`base` with the adapter of folder `path` (a PeftModel); OSError or ValueError if it cannot be read."""
     from peft import PeftModel
+    from safetensors import SafetensorError
 
     try:
         return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+    except SafetensorError as exc:  # a truncated or corrupt adapter_model.safetensors
+        raise ValueError(f"the adapter in {path} cannot be read: {exc}") from exc
     except (KeyError, RuntimeError, TypeError) as exc:  # a config or tensors that do not fit the base
         raise ValueError(f"the adapter in {path} does not fit its base model: {exc}") from exc
 
