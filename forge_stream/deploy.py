@@ -181,7 +181,7 @@ def _threads(opts: dict) -> dict[str, str]:
 
 ENGINE_KINDS = ("torch", "vllm")
 VLLM_OPTIONS = ("served_model_name", "max_model_len", "dtype", "kv_cache_gib", "tool_call_parser", "policy_run",
-                "load_interval", "mq_poll", "block_size")
+                "load_interval", "mq_poll", "block_size", "lora_rank")
 
 
 def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
