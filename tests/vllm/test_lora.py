@@ -1,6 +1,7 @@
 """LoRA versions reach real vLLM (`engine vllm --lora-rank`): each adapter is loaded at run time, proven with the
 log-prob probe against peft, and served under the model name agents already use, each answer labelled with its
-version; an adapter that cannot be read is not announced and the last proven version stays served.
+version; an adapter that cannot be read, or that vLLM refuses, is not announced and the last proven version stays
+served.
 
 vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
 shared by this module's tests.
@@ -71,6 +72,7 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     weights = corrupt / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # a truncated file
     later = adapter_version(tiny_model_dir, tmp_path / "v3", seed=3)
+    too_big = adapter_version(tiny_model_dir, tmp_path / "v4", seed=4, rank=16)  # peft reads it; vLLM takes rank <= 8
     prompt = [5, 17, 99, 23, 42, 7, 300, 12]
 
     base = _answer(engine.url, prompt)
@@ -91,13 +93,19 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     kept = _answer(engine.url, prompt)
     assert httpx.get(f"{engine.url}/health").json()["policy_version"] == 1
 
-    _publish(bootstrap, run, 3, later)
+    published = _publish(bootstrap, run, 3, later)
     until(lambda: _answer(engine.url, prompt)["policy_version"] == 3, 120, lambda: f"version 3 not served; see {log}")
+    print(f"vLLM: adapter version 3 published -> first answer under it in {time.monotonic() - published:.2f}s")
+    _publish(bootstrap, run, 4, too_big)
+    until(lambda: "LoRA policy version 4" in log.read_text(), 120, "the rank-16 version was not refused")
+    refused = log.read_text().split("LoRA policy version 4", 1)[1].split("\n", 1)[0]
+    assert "vLLM did not load it" in refused, refused
+    after = _answer(engine.url, prompt)
     port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
     listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
 
-    assert base["policy_version"] == 0 and kept["policy_version"] == 1
-    for answer, folder in ((first, good), (kept, good)):  # served by the adapter of the version it is labelled with
+    assert base["policy_version"] == 0 and kept["policy_version"] == 1 and after["policy_version"] == 3
+    for answer, folder in ((first, good), (kept, good), (after, later)):  # served by the adapter of the version it is labelled with
         choice = answer["choices"][0]
         expected = _peft_logprobs(folder, prompt, choice["token_ids"])
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=TOLERANCE)
