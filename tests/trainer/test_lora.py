@@ -1,6 +1,7 @@
 """LoRA training (`train --lora-rank`): only the adapter trains, a version is the adapter, a restart resumes it,
 and the tree-packed log-probs run through the adapted layers."""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -10,7 +11,7 @@ from forge_stream.events import decode, encode
 from forge_stream.processors.fold import fold
 from forge_stream.processors.settings import ProcessorSettings
 from forge_stream.processors.synthetic import group_events
-from forge_stream.scheduler.consumer import Batch, SchedulerSettings
+from forge_stream.scheduler.consumer import Batch, SchedulerSettings, start_at_end
 from forge_stream.trainer.service import PolicyTrainer, TrainerSettings, find_checkpoint
 from forge_stream.trainer.step import StepConfig
 from forge_stream.tree import pack
@@ -110,3 +111,45 @@ def test_tree_packed_logprobs_through_an_adapter_equal_separate_forward_passes(t
             plain = base(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
             moved = moved or not torch.allclose(got, plain, atol=1e-3)
         assert moved  # the adapter is in the path, not bypassed
+
+
+@pytest.mark.kafka
+def test_train_lora_rank_publishes_adapter_versions_the_engine_serves(kafka_bootstrap, tiny_model_dir, tmp_path,
+                                                                      run_id):
+    """`forge-stream train --lora-rank 2` end to end: adapter versions on forge.policy, followed by the torch
+    engine, whose answers are the adapter's policy."""
+    import httpx
+
+    from forge_stream.engine.process import EngineProcess
+    from forge_stream.kafka.history import Slice, read_slice
+    from forge_stream.topics import TOPICS
+
+    from helpers import until
+    from test_service import _cli, _publish_groups
+
+    run = f"lora-{run_id}"
+    start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))
+    _publish_groups(kafka_bootstrap, run_id, 4)
+    prompt = [5, 17, 99, 23]
+    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run),
+                       log_path=tmp_path / "engine.log") as engine:
+        _cli("train", "--bootstrap-servers", kafka_bootstrap, "--run", run, "--model", str(tiny_model_dir),
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--batch-size", "2", "--wait-s", "2",
+             "--lr", "1e-2", "--lora-rank", "2", timeout=120)
+        until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 2, 60, "version 2 not served")
+        answer = httpx.post(f"{engine.url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "logprobs": 0, "return_token_ids": True},
+            timeout=60).json()
+
+    versions = [e.record for e in read_slice(kafka_bootstrap, TOPICS.policy, Slice()) if e.key == run]
+    assert [v["version"] for v in versions] == [1, 2]
+    assert all(v["lora_rank"] == 2 and v["base_model"] == str(tiny_model_dir) for v in versions)
+    last = versions[-1]["checkpoint_uri"]
+    assert lora.is_adapter(last) and versions[-1]["size_bytes"] == lora.weight_bytes(last) > 0
+    assert answer["policy_version"] == 2
+    choice = answer["choices"][0]
+    ids = prompt + choice["token_ids"]
+    with torch.no_grad():
+        lp = lora.load_policy(last, merge=False).eval()(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(choice["token_ids"])]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
