@@ -316,7 +316,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
                 "loads": state.loads, "failed_loads": state.failed_loads, "renamed_versions": state.renamed,
-                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s}
+                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s,
+                "lora_adapter": state.adapters.get(state.gate.version)}
 
     if settings.token:
         app.add_middleware(RequireBearer, token=settings.token)

@@ -11,7 +11,8 @@ new adapter's name and labelled with its version, whatever model name the agent 
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
 already running keep their adapter), so vLLM holds at most two: the served one and one being proven. Its held folder
 is kept until the next switch, so vLLM can read it again for a request still running. An adapter that cannot be
-read or proven is unloaded again and never announced: the last proven version stays served.
+read or proven is unloaded again and never announced: the last proven version stays served. A version whose adapter
+is the served one byte for byte (a trainer step that changed no weight) is announced on the served adapter.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     try:
         fingerprint = await asyncio.to_thread(weights_fingerprint, held)
         if current is not None and fingerprint == state.fingerprint:  # a step that changed no weight
-            return _switch(state, checkpoint, held, version, current, fingerprint, None, began, renamed=True)
+            return _rename(state, checkpoint, held, version, current, began)
         ids = probe_ids(vocab_size(held))
         expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
                     if settings.probe else None)
@@ -58,7 +59,7 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     except (WorkerError, httpx.HTTPError) as exc:
         await _unload(state, name)
         return _failed(state, held, version, checkpoint, f"it was not proven ({exc})")
-    _switch(state, checkpoint, held, version, name, fingerprint, mismatch, began)
+    _switch(state, checkpoint, held, version, name, fingerprint, mismatch)
     if current is not None:
         await _unload(state, current)
     log.info("serving policy version %s from %s: LoRA adapter %s (%d bytes) loaded in %.3fs, probe log-probs "
@@ -69,20 +70,28 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
 
 
 def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name: str, fingerprint: str | None,
-            mismatch: float | None, began: float, renamed: bool = False) -> bool:
-    """From now on requests enter under `version`, sent to adapter `name`."""
+            mismatch: float | None) -> None:
+    """From now on requests enter under `version`, sent to adapter `name` (loaded from `held`)."""
     if state.retired and state.retired != state.settings.model:
         shutil.rmtree(state.retired, ignore_errors=True)
     state.retired = state.serving
     state.adapters = {version: name}
     state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
-    if renamed:
-        state.renamed += 1
-        log.info("serving policy version %s from %s: its adapter is version %s's, byte for byte, so it is announced "
-                 "without a load (%.2fs)", version, checkpoint, state.gate.version, time.monotonic() - began)
-    else:
-        state.loads, state.last_mismatch = state.loads + 1, mismatch
+    state.loads, state.last_mismatch = state.loads + 1, mismatch
     state.gate.reopen(version)
+
+
+def _rename(state: EngineState, checkpoint: str, held: Path, version: int, name: str, began: float) -> bool:
+    """Announce `version`, whose adapter is the served one byte for byte, on the served adapter: no load, and vLLM
+    keeps the folder it loaded the adapter from."""
+    shutil.rmtree(held, ignore_errors=True)
+    previous = state.gate.version
+    state.adapters = {version: name}
+    state.checkpoint, state.renamed = checkpoint, state.renamed + 1
+    state.gate.reopen(version)
+    log.info("serving policy version %s from %s: its adapter is version %s's, byte for byte (a step that changed no "
+             "weight), so it is announced on adapter %s without a load (%.2fs)", version, checkpoint, previous, name,
+             time.monotonic() - began)
     return True
 
 

@@ -1,7 +1,7 @@
 """LoRA versions reach real vLLM (`engine vllm --lora-rank`): each adapter is loaded at run time, proven with the
 log-prob probe against peft, and served under the model name agents already use, each answer labelled with its
 version; an adapter that cannot be read, or that vLLM refuses, is not announced and the last proven version stays
-served.
+served; a version with the served adapter's bytes is announced without a load.
 
 vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
 shared by this module's tests.
@@ -10,6 +10,7 @@ shared by this module's tests.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 import uuid
 
@@ -101,6 +102,14 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     refused = log.read_text().split("LoRA policy version 4", 1)[1].split("\n", 1)[0]
     assert "vLLM did not load it" in refused, refused
     after = _answer(engine.url, prompt)
+    health = httpx.get(f"{engine.url}/health").json()
+    unchanged = shutil.copytree(later, tmp_path / "v5")  # a step without signal: the same adapter bytes
+    _publish(bootstrap, run, 5, unchanged)
+    until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 5, 120, "version 5 not announced")
+    renamed = httpx.get(f"{engine.url}/health").json()
+    assert renamed["renamed_versions"] == health["renamed_versions"] + 1 and renamed["loads"] == health["loads"]
+    assert renamed["lora_adapter"] == health["lora_adapter"] and health["lora_adapter"].startswith("policy-v3-")
+    assert _answer(engine.url, prompt)["policy_version"] == 5
     port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
     listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
 
