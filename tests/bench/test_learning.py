@@ -290,7 +290,8 @@ def test_lora_rank_reaches_the_settings_with_its_lr_and_no_load_interval(monkeyp
 
     def run_seed(s, seed, home, warm_start, progress):
         seen.update(settings=s)
-        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
+        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [],
+                                           1.0, 1)
 
     monkeypatch.setattr(learning, "run_seed", run_seed)
     model = tmp_path / "model"

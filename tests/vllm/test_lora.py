@@ -114,7 +114,8 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
 
     assert base["policy_version"] == 0 and kept["policy_version"] == 1 and after["policy_version"] == 3
-    for answer, folder in ((first, good), (kept, good), (after, later)):  # served by the adapter of the version it is labelled with
+    # each answer was served by the adapter of the version it is labelled with
+    for answer, folder in ((first, good), (kept, good), (after, later)):
         choice = answer["choices"][0]
         expected = _peft_logprobs(folder, prompt, choice["token_ids"])
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=TOLERANCE)
