@@ -184,7 +184,7 @@ def _threads(opts: dict) -> dict[str, str]:
 
 ENGINE_KINDS = ("torch", "vllm")
 VLLM_OPTIONS = ("served_model_name", "max_model_len", "dtype", "kv_cache_gib", "tool_call_parser", "policy_run",
-                "load_interval", "mq_poll", "block_size")
+                "load_interval", "mq_poll", "block_size", "lora_rank")
 
 
 def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
@@ -244,7 +244,8 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
 
 TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss",
                    "eps_low", "eps_high", "clip_ratio_c", "group_timeout", "max_staleness", "stale_action", "token_budget",
-                   "updates_per_batch", "wait_s", "from_now", "nproc", "fsdp", "nnodes", "node_rank", "master_addr")
+                   "updates_per_batch", "wait_s", "from_now", "nproc", "fsdp", "nnodes", "node_rank", "master_addr",
+                   "lora_rank", "lora_alpha")
 
 
 def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
@@ -65,3 +66,21 @@ def cli(env: dict[str, str], *args: str, timeout: float = 180) -> str:
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+def adapter_version(base: Path, out: Path, seed: int, rank: int = 4, scale: float = 0.2) -> Path:
+    """A LoRA adapter version of `base` as the trainer writes one (forge_stream.lora), with random non-zero
+    weights: the base's log-probs move by tenths of a nat."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from forge_stream import lora
+
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(base), rank)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, scale)
+    model.save_pretrained(out)
+    return out

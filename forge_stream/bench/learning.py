@@ -21,6 +21,11 @@ training and test tasks are those of `mix` (the suite's `PRETRAINED_MIX` by defa
 measured baseline, see forge_stream/tasks/suite.py), sampled at `temperature` (0.7 by default there: the trainer
 scores each token at the temperature it was sampled at), and the engine is vLLM unless told otherwise.
 
+With `lora_rank` the trainer trains a LoRA adapter and the engine serves each adapter version
+(forge_stream.lora). Every seed's result reports how fast versions reached the rollouts, for full fine-tuning and
+LoRA alike: `sync_bytes`, `sync_s` and the versions counted (forge_stream.bench.policy_sync), beside
+`staleness_mean`.
+
 The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
 improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
 `improvement_ci95_by_template` resamples the tasks of one template together (four single digits to order are one
@@ -45,6 +50,7 @@ import httpx
 
 from forge_stream.bench.cpu import CpuParts, cpu_used, proc_tree_cpu, processes
 from forge_stream.bench.learning_result import describe, describe_kinds, overall, seed_result, summarize
+from forge_stream.bench.policy_sync import sync_summary
 from forge_stream.deploy import Topology, up
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_slice
@@ -66,6 +72,7 @@ class LearningSettings:
     rl_minutes: float = 15.0
     engine: str = "torch"  # "vllm": real vLLM (`engine vllm`), "torch": the local torch engine
     engine_load_interval: float = 0.0  # vLLM: seconds from one weight load to the next (engine vllm --load-interval)
+    lora_rank: int = 0  # > 0: the trainer trains a LoRA adapter of this rank, the engine serves each as a version
     loss: str = "cispo"
     lr: float = 1e-4
     updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)
@@ -163,9 +170,12 @@ def _first_rollout_ms(bootstrap: str, since_ms: int) -> int | None:
                 if "base_url" in e.record and e.record["metadata"].get("purpose") != "eval"), default=None)
 
 
+def _policy_versions(bootstrap: str, run: str) -> list[dict]:
+    return [e.record for e in read_slice(bootstrap, TOPICS.policy, Slice()) if e.key == run]
+
+
 def _latest_policy(bootstrap: str, run: str) -> int:
-    return max((e.record["version"] for e in read_slice(bootstrap, TOPICS.policy, Slice()) if e.key == run),
-               default=0)
+    return max((record["version"] for record in _policy_versions(bootstrap, run)), default=0)
 
 
 def _served_version(engine_url: str) -> int | None:
@@ -310,6 +320,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
             "engine": {"kind": s.engine, "model": model, "max_batch_size": s.concurrency, "policy_run": run_id,
                        **({"threads": 1} if s.engine == "torch" else {}),
+                       **({"lora_rank": s.lora_rank} if s.lora_rank and s.engine == "vllm" else {}),
                        **({"load_interval": s.engine_load_interval} if s.engine_load_interval else {})},
             "gateway": {},
             "processors": {"group_timeout_s": 120, "advantage": "rollout", "advantage_scale": s.advantage_scale,
@@ -317,7 +328,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             "trainer": {"model": model, "run": run_id, "batch_size": s.batch_size, "lr": s.lr, "loss": s.loss,
                         "updates_per_batch": s.updates_per_batch,
                         "window": 0.3, "rollout_slots": s.concurrency // s.group_size, "wait_s": 5,
-                        "group_timeout": 300, "threads": 1},
+                        "group_timeout": 300, "threads": 1, **({"lora_rank": s.lora_rank} if s.lora_rank else {})},
         })
         up(cfg, topology, echo=progress)
         evaluate = ("eval", "--tasks", s.test_source, "--limit", str(s.test_tasks), "--agent", AGENT,
@@ -390,7 +401,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             progress(f"{tag}   {describe_kinds(summary['by_kind'])}")
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
-        return {**summary, "engine": s.engine, "engine_loads": engine_loads,
+        answered = read_slice(cfg.bootstrap, TOPICS.completions, Slice(start_ms=rl_started_ms, end_ms=stopped_ms))
+        sync = sync_summary(_policy_versions(cfg.bootstrap, run_id), [e.record for e in answered])
+        progress(f"{tag}   policy sync: {sync}")
+        return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),

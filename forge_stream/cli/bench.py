@@ -223,10 +223,14 @@ def learning(
     engine_load_interval: Optional[float] = typer.Option(
         None, min=0.0, help="vLLM only: seconds from the end of one weight load to the start of the next (engine "
                             "vllm --load-interval; default: 30 with --model, where a load holds requests for "
-                            "seconds; otherwise 0, every version)."),
+                            "seconds; otherwise, and with --lora-rank, whose loads hold none, 0: every version)."),
+    lora_rank: int = typer.Option(0, min=0, help="Train a LoRA adapter of this rank (train --lora-rank) and serve each "
+                                                 "adapter version (engine vllm --lora-rank; the torch engine merges "
+                                                 "it); 0: full fine-tuning. LoRA wants about 10x the --lr."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: Optional[float] = typer.Option(None, help="Trainer learning rate (default: 1e-4; with --model, 1e-5: at "
-                                                   "1e-4 one step moved SmolLM2-135M's log-probs by up to 14 nats)."),
+                                                   "1e-4 one step moved SmolLM2-135M's log-probs by up to 14 nats; "
+                                                   "10x either with --lora-rank)."),
     updates_per_batch: Optional[int] = typer.Option(None, help="Optimizer updates per batch (sample reuse; default: "
                                                                "4; with --model, 1)."),
     subgoal_reward: float = typer.Option(0.0, help="Weight of the process rule rewarding a tool call that returned "
@@ -278,10 +282,10 @@ def learning(
     engine_kind = engine_kind or ("vllm" if model else "torch")
     mix = mix or (PRETRAINED_MIX if model else "reasoning=1,agent=1,lookup=1")
     temperature = temperature if temperature is not None else (0.7 if model else None)
-    lr = lr if lr is not None else (1e-5 if model else 1e-4)
+    lr = lr if lr is not None else (1e-5 if model else 1e-4) * (10 if lora_rank else 1)
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
     if engine_load_interval is None:
-        engine_load_interval = 30.0 if model and engine_kind == "vllm" else 0.0
+        engine_load_interval = 30.0 if model and engine_kind == "vllm" and not lora_rank else 0.0
     from forge_stream.bench.learning import EngineGone, LearningSettings, NothingTrained, OutsideBand, run
 
     if engine_kind not in ("torch", "vllm"):
@@ -301,7 +305,7 @@ def learning(
         typer.echo(f"--hidden-size: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, engine_load_interval=engine_load_interval,
-                                loss=loss, lr=lr,
+                                lora_rank=lora_rank, loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
                                 partial_credit=partial_credit,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,

@@ -114,6 +114,9 @@ def vllm(
                                                       "engine core and worker wait for each other (default: 0.0005 "
                                                       "on CPU hosts, where spinning takes a core from the trainer; "
                                                       "on GPU hosts they spin, as vLLM has it)."),
+    lora_rank: int = typer.Option(0, min=0, help="Serve LoRA adapter versions of up to this rank (a run trained with "
+                                                 "`train --lora-rank`): vLLM starts with LoRA on and loads each "
+                                                 "adapter at run time, without a drain or a load interval."),
     vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
                                                 "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
@@ -153,5 +156,6 @@ def vllm(
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size,
         tool_call_parser=tool_call_parser, probe=probe, load_interval_s=load_interval, mq_poll_s=mq_poll,
-        extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None)
+        extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None,
+        lora_rank=lora_rank)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -61,6 +61,11 @@ def train(
     node_rank: int = typer.Option(0, help="This machine's index among --nnodes (0 consumes from Kafka)."),
     master_addr: Optional[str] = typer.Option(None, help="HOST:PORT of node 0's rendezvous (with --nnodes > 1)."),
     wait_for_kafka: bool = WaitForKafkaOption,
+    lora_rank: int = typer.Option(0, help="Train a LoRA adapter of this rank on every linear layer but the LM head "
+                                          "(peft) instead of every weight; each version is the adapter (MBs). "
+                                          "LoRA wants about 10x full fine-tuning's --lr. 0: full fine-tuning."),
+    lora_alpha: Optional[float] = typer.Option(None, help="The LoRA adapter's alpha (scale alpha / rank); default "
+                                                          "2 x --lora-rank."),
 ) -> None:
     """Consume TrainSamples in windowed FIFO order, train, and publish each new policy version."""
     import torch.distributed
@@ -89,7 +94,7 @@ def train(
                               step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high),
                                               clip_ratio_c=clip_ratio_c or None, lr=lr,
                                               token_budget=token_budget, updates=updates_per_batch),
-                              wait_s=wait_s, from_now=from_now)
+                              wait_s=wait_s, from_now=from_now, lora_rank=lora_rank, lora_alpha=lora_alpha)
     try:
         run_trainer(trainer, steps, progress=lambda line: typer.echo(line, err=True), ranks=ranks)
     finally:

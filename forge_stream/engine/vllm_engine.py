@@ -25,7 +25,12 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
 - **Loads at most every `load_interval_s`** (0: every version as it comes). Each load holds new requests while
   those in flight drain; with a trainer that publishes every few seconds, spacing the loads trades a version or two
   of staleness (which CISPO's importance weight corrects) for fewer drains.
-- **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name.
+- **LoRA versions in about a second** (`lora_rank`, a run trained with `train --lora-rank`): vLLM starts with LoRA
+  enabled, each adapter version is loaded at run time under a name of its own, proven with the same probe (the
+  reference computed with peft), and served without a drain: requests entering the gate after the switch go to the
+  new adapter, those in flight finish on theirs (forge_stream.engine.vllm_lora).
+- **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name, or the
+  name of the adapter that serves the version they entered under.
 - **No spinning on CPU hosts.** vLLM's engine core and worker hand each step over through a shared-memory queue
   whose waits spin (for a second after every message), so under load both spin all the time: on 2 cores, one core
   taken from the trainer. On CPU hosts forge-stream's runtime makes them poll the queue every `mq_poll_s` (0.5 ms)
@@ -49,7 +54,7 @@ import tempfile
 import time
 import weakref
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -72,6 +77,20 @@ log = logging.getLogger(__name__)
 # blocks only, so an agent's next turn recomputes up to 127 tokens of what it sent before (SmolLM2 in bench learning:
 # 52% of prompt tokens cached at 128, 92% at 32)
 CPU_BLOCK_SIZE = 32
+MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The least --max-lora-rank vLLM takes that holds adapters of `rank`.
+
+    >>> vllm_lora_rank(1), vllm_lora_rank(4), vllm_lora_rank(8)
+    (1, 8, 8)
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at most, not {rank}")
 
 
 @dataclass(frozen=True)
@@ -99,6 +118,7 @@ class VllmEngineSettings:
     bootstrap: str | None = None
     policy_run: str = "default"
     token: str | None = None  # with it, every route but /health needs it as a bearer token
+    lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
 
     def __post_init__(self):
         refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
@@ -124,6 +144,9 @@ class VllmEngineSettings:
             argv += ["--block-size", str(block_size)]
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.lora_rank:
+            argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
+                     "--max-loras", str(MAX_LORAS)]
         return argv + list(self.extra_args)
 
 
@@ -178,6 +201,8 @@ class EngineState:
     last_mismatch: float | None = None
     mq_poll_s: list[float | None] | None = None  # each worker's, read back once at start-up
     load_after: float = 0.0  # time.monotonic() before which no load starts (load_interval_s after the last)
+    adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
+    retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
 
     @property
     def vllm_url(self) -> str:
@@ -200,8 +225,8 @@ async def _relay(request: Request, path: str) -> Response:
         return _error(400, f"The body is not JSON: {exc}", "BadRequestError")
     if not isinstance(body, dict):
         return _error(400, "The body must be a JSON object.", "BadRequestError")
-    body["model"] = state.settings.name
     version = await state.gate.enter()
+    body["model"] = state.adapters.get(version, state.settings.name)
     try:
         upstream = await state.http.post(state.vllm_url + path, data=orjson.dumps(body),
                                          headers={"content-type": "application/json"})
@@ -291,7 +316,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
                 "loads": state.loads, "failed_loads": state.failed_loads, "renamed_versions": state.renamed,
-                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s}
+                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s,
+                "lora_adapter": state.adapters.get(state.gate.version)}
 
     if settings.token:
         app.add_middleware(RequireBearer, token=settings.token)
@@ -303,7 +329,7 @@ def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
              " ".join(settings.vllm_argv()[3:]))
     return start_process(settings.vllm_argv(), new_session=True, preexec_fn=_end_with_parent,
                          env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib,
-                                      settings.mq_poll_s))
+                                      settings.mq_poll_s, lora=settings.lora_rank > 0))
 
 
 def _end_with_parent() -> None:

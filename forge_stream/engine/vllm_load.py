@@ -4,8 +4,9 @@ has the engine front this serves, and why it loads the way it does).
 `follow_policy` follows forge.policy and hands the newest version to `load_version`, which holds the checkpoint's
 files, announces a version whose weights are the served ones without a reload (`_rename`), and otherwise drains the
 requests in flight, loads it with the plan of forge_stream.engine.vllm_sync and probes it: vLLM's prompt log-probs
-of a fixed token sequence (`probe_ids`) must match the checkpoint's own under transformers (`reference_logprobs`)
-within PROBE_TOLERANCE, or the previous checkpoint is loaded back.
+of a fixed token sequence must match the checkpoint's own under transformers (forge_stream.engine.vllm_probe), or
+the previous checkpoint is loaded back. A version that is a LoRA adapter goes to forge_stream.engine.vllm_lora
+instead: loaded beside the base model under a name of its own, without a drain.
 """
 
 from __future__ import annotations
@@ -17,36 +18,18 @@ import time
 from pathlib import Path
 
 import httpx
-import orjson
 
+from forge_stream import lora
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.vllm_engine import EngineState, _exit
 from forge_stream.engine.vllm_holds import hold_checkpoint, weights_fingerprint
+from forge_stream.engine.vllm_lora import load_adapter
+from forge_stream.engine.vllm_probe import probe, probe_ids, reference_logprobs, vocab_size
 from forge_stream.engine.vllm_sync import Call, WorkerError
 from forge_stream.kafka.follow import Follower
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
-
-PROBE_TOKENS = 48  # prompt positions whose log-probs prove a reload
-PROBE_TOLERANCE = 1e-3  # nats: fp32 CPU kernels agree with transformers to about 1e-5
-
-
-def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
-    """A fixed token sequence spread over the vocabulary (the same for every version)."""
-    return [(17 + 7919 * i) % vocab_size for i in range(n)]
-
-
-def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float]:
-    """log p(ids[i] | ids[:i]) for i >= 1 under the checkpoint in `model_dir`, with transformers on the CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
-
 
 async def follow_policy(state: EngineState) -> None:
     """Load each newer version of the run into vLLM (the history's newest first), until cancelled. After a load
@@ -75,12 +58,14 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     held = None
     try:
         held = await asyncio.to_thread(hold_checkpoint, checkpoint, state.holds, version)
+        if lora.is_adapter(held):
+            return await load_adapter(state, checkpoint, held, version, began)
         fingerprint = await asyncio.to_thread(weights_fingerprint, held)
         if fingerprint is not None and fingerprint == await _served_fingerprint(state):
             return await _rename(state, checkpoint, held, version, began)
         expected = None
         if settings.probe:
-            ids = probe_ids(_vocab_size(str(held)))
+            ids = probe_ids(vocab_size(held))
             expected = await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
     except (OSError, ValueError) as exc:
         if held is not None:
@@ -94,7 +79,7 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     drained = time.monotonic()
     try:
         proof = await state.control.load(str(held), version)
-        mismatch = await _probe(state, ids, expected) if expected is not None else None
+        mismatch = await probe(state, ids, expected) if expected is not None else None
     except (WorkerError, httpx.HTTPError, OSError) as exc:
         state.failed_loads += 1
         log.error("policy version %s from %s was not proven (%s); loading version %s back", version, checkpoint,
@@ -110,6 +95,7 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
         shutil.rmtree(state.serving, ignore_errors=True)
     state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
     state.loads, state.last_mismatch = state.loads + 1, mismatch
+    state.adapters = {}  # full weights: requests go to the base model's name
     state.gate.reopen(version)
     log.info("serving policy version %s from %s: %d checksums equal the checkpoint's, %d of %d fused changed, probe "
              "log-probs within %s of transformers', prefix cache reset%s; new requests held %.2fs (%.2fs waiting for "
@@ -147,23 +133,3 @@ async def _rename(state: EngineState, checkpoint: str, held: Path, version: int,
              "weight), so it is announced without a reload (%.2fs)", version, checkpoint, previous,
              time.monotonic() - began)
     return True
-
-
-def _vocab_size(model_dir: str) -> int:
-    config = orjson.loads((Path(model_dir) / "config.json").read_bytes())
-    return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
-
-
-async def _probe(state: EngineState, ids: list[int], expected: list[float]) -> float:
-    """vLLM's prompt log-probs of `ids` (sent straight to vLLM: the gate is closed) against `expected`; the largest
-    difference, or WorkerError past PROBE_TOLERANCE."""
-    response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
-        "model": state.settings.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
-    if response.status_code != 200:
-        raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
-    served = response.json()["choices"][0]["prompt_logprobs"]
-    got = [served[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    worst = max(abs(a - b) for a, b in zip(got, expected))
-    if worst > PROBE_TOLERANCE:
-        raise WorkerError(f"probe log-probs differ from the checkpoint's by up to {worst:.3g} nats")
-    return worst

@@ -156,17 +156,20 @@ MQ_POLL_S = 0.0005  # CPU hosts: a step waits at most this long more; a waiting 
 
 
 def vllm_env(cache_dir: Path, target: Target, kv_cache_gib: int | None = None,
-             mq_poll_s: float | None = None) -> dict[str, str]:
+             mq_poll_s: float | None = None, lora: bool = False) -> dict[str, str]:
     """The environment of a vLLM server process: dev control routes on (the server binds loopback only), the
     compile cache kept under the cache directory, the KV cache size on CPU hosts, forge-stream's worker extension
-    (forge_stream/engine/vllm_ext) importable, and how vLLM's step queue waits (vllm_ext/sitecustomize.py): polled
+    (forge_stream/engine/vllm_ext) importable, how vLLM's step queue waits (vllm_ext/sitecustomize.py): polled
     every `mq_poll_s` seconds, by default MQ_POLL_S on CPU hosts (spinning takes a core from the trainer), spinning
-    as vLLM has it on GPU hosts."""
+    as vLLM has it on GPU hosts; with `lora`, LoRA adapters loaded and unloaded at run time
+    (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm-cache"),
            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
     for name in ("VIRTUAL_ENV", "PYTHONHOME"):  # the project's environment is not vLLM's
         env.pop(name, None)
     env["PYTHONPATH"] = str(Path(__file__).with_name("vllm_ext"))  # forge_worker: the worker extension
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if target == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib if kv_cache_gib is not None else 2)
     if mq_poll_s is None and target == "cpu":

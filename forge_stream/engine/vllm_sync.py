@@ -209,9 +209,6 @@ class VllmControl:
             log.warning("%s: resume after a failed update, try %d of %d: %s", self.url, attempt, tries, problem)
         return False
 
-    async def version(self) -> str:
-        return (await self.call(Call("GET", "/weight_info")))["weight_version"]
-
     async def mq_poll(self) -> list[float | None]:
         """How often each worker polls its step queue as forge-stream set it (None: it spins, as vLLM has it)."""
         results = (await self.call(Call("POST", "/collective_rpc", body={"method": "forge_mq_poll"})))["results"]

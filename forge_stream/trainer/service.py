@@ -7,6 +7,10 @@
 3. `PolicyTrainer.checkpoint` writes the new weights as a HuggingFace checkpoint (safetensors, tokenizer,
    optimizer state; after a step whose batch had no signal, hard links to the last checkpoint's files) and the
    loop publishes its PolicyVersion on forge.policy (the engines load it);
+   with `lora_rank` the model trains a LoRA adapter (forge_stream.lora) on every linear layer but the LM head,
+   the optimizer holds the adapter's parameters only, and a checkpoint is the adapter (peft's
+   adapter_config.json + adapter_model.safetensors, megabytes instead of the model's size) plus its optimizer
+   state; its PolicyVersion carries `lora_rank`, and `base_model` names the model the adapter applies to;
 4. the scheduler publishes the TrainStep (the step's commit point: which groups were trained) and commits offsets.
 
 A restart resumes from the checkpoint of the last committed step, so a step that crashed before its TrainStep
@@ -33,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from forge_stream import lora
 from forge_stream.events import deterministic_id, now_ms
 from forge_stream.files import link_tree
 from forge_stream.kafka.producer import EventProducer
@@ -57,6 +62,8 @@ class TrainerSettings:
     keep_checkpoints: int = 3
     wait_s: float = 5.0  # how long to wait for a full batch before training a partial one
     from_now: bool = False  # a new run's queue starts at the current end of forge.tasks / forge.samples
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on base_model (forge_stream.lora); 0: every weight
+    lora_alpha: float | None = None  # the adapter's alpha (its scale is alpha / rank); None: lora.default_alpha
 
 
 def checkpoint_name(version: int) -> str:
@@ -105,7 +112,16 @@ class PolicyTrainer:
                 f"v{resume_version:06d}-* is in {settings.checkpoint_dir}: point --checkpoint-dir at the run's "
                 "checkpoints, or start a new run name")
         path = source or settings.base_model
-        self.model = AutoModelForCausalLM.from_pretrained(path)
+        self.adapter = None  # with LoRA: the peft model, whose `save_pretrained` writes the adapter alone
+        if settings.lora_rank:
+            if ranks is not None and ranks.fsdp:
+                raise ValueError("LoRA (--lora-rank) is not supported with --fsdp: drop one of them")
+            base = AutoModelForCausalLM.from_pretrained(settings.base_model)
+            self.adapter = (lora.load_adapter(base, source, trainable=True) if source is not None
+                            else lora.wrap(base, settings.lora_rank, settings.lora_alpha))
+            self.model = self.adapter.base_model.model  # the model itself, its linear layers adapted in place
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path)
         self.model.train()
         if ranks is not None:
             self.model.to(ranks.device)
@@ -113,7 +129,7 @@ class PolicyTrainer:
                 shard_model(self.model)
             else:
                 ranks.sync_parameters(self.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.base_model if settings.lora_rank else path)
         self.optimizer = build_optimizer(self.model, settings.step)
         if source is not None and (source / "optimizer.pt").exists():
             state = torch.load(source / "optimizer.pt", map_location="cpu")
@@ -179,7 +195,8 @@ class PolicyTrainer:
         self.saved, self.unchanged = path, False
         return {"event_id": deterministic_id("policy", self.run, path.name), "event_time": now_ms(),
                 "version": self.policy_version, "step": self.policy_version, "checkpoint_uri": str(path),
-                "base_model": str(self.settings.base_model)}
+                "base_model": str(self.settings.base_model), "lora_rank": self.settings.lora_rank,
+                "size_bytes": lora.weight_bytes(path)}
 
     def _link(self, version: int) -> Path:
         """The next version's checkpoint as hard links to the current one's files (copies across file systems): a
@@ -198,8 +215,11 @@ class PolicyTrainer:
         root = self.settings.checkpoint_dir
         path = root / checkpoint_name(version)
         tmp = root / f".tmp-{path.name}"
-        self.model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
-        self.tokenizer.save_pretrained(tmp)
+        if self.adapter is not None:
+            self.adapter.save_pretrained(tmp, safe_serialization=True)
+        else:
+            self.model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+            self.tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state or self.optimizer.state_dict(), tmp / "optimizer.pt")
         tmp.rename(path)  # a checkpoint folder exists only once complete
         rotate_checkpoints(root, self.settings.keep_checkpoints)

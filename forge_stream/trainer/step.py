@@ -195,7 +195,9 @@ def micro_batch_plan(samples: Sequence[dict], token_budget: int) -> list[tuple[P
 
 
 def build_optimizer(model: torch.nn.Module, config: StepConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    """AdamW over the parameters that train (with LoRA the adapter's only: the base model's are frozen)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def has_signal(sample: dict) -> bool:

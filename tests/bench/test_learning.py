@@ -287,3 +287,42 @@ def test_cpu_is_counted_by_service_part_across_a_restart():
     assert cpu.cpu_used({"engine": {"self": 10.0, "VLLM::Worker": 50.0}},
                              {"engine": {"self": 12.5, "VLLM::Worker": 4.0, "children": 1.0}}) == {
         "engine": {"self": 2.5, "VLLM::Worker": 4.0, "children": 1.0}}
+
+
+def test_lora_rank_reaches_the_settings_with_its_lr_and_no_load_interval(monkeypatch, tmp_path):
+    """--lora-rank: the trainer and the engine get it; LoRA's lr defaults to 10x full fine-tuning's, and vLLM loads
+    every adapter version (a load holds no request, so no interval)."""
+    seen = {}
+
+    def run_seed(s, seed, home, warm_start, progress):
+        seen.update(settings=s)
+        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [],
+                                           1.0, 1)
+
+    monkeypatch.setattr(learning, "run_seed", run_seed)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--home", str(tmp_path / "h"),
+                                      "--lora-rank", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    s = seen["settings"]
+    assert (s.lora_rank, s.lr, s.engine_load_interval) == (1, pytest.approx(1e-4), 0.0)
+
+
+def test_a_lora_seed_gives_the_trainer_and_a_vllm_engine_its_rank(monkeypatch, tmp_path):
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def up(cfg, topology, echo):
+        seen["topology"] = topology
+        raise Started
+
+    monkeypatch.setattr(learning, "up", up)
+    s = learning.LearningSettings(engine="vllm", lora_rank=4, model=str(tmp_path))
+    with pytest.raises(Started):
+        learning.run_seed(s, 0, tmp_path / "home", {"model_dir": str(tmp_path)}, progress=lambda line: None)
+    services = seen["topology"].options
+    assert services["trainer"]["lora_rank"] == 4 and services["engine"]["lora_rank"] == 4

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from forge_stream.engine.vllm_engine import VersionGate
-from forge_stream.engine.vllm_load import probe_ids
+from forge_stream.engine.vllm_probe import probe_ids
 from forge_stream.engine.vllm_holds import (HOLDS_PREFIX, hold_checkpoint, remove_orphaned_holds,
                                             weights_fingerprint)
 from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,

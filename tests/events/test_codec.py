@@ -22,6 +22,7 @@ PINNED = {
     ("forge.events.GroupSkipped", 1): "4485c2fcdfe18b99f425a68132167f4974464dbc6744f127994faf482b3fe5cc",
     ("forge.events.GroupSkipped", 2): "c2e861c667f411dd8d3f2b4b330fda2d97a1ea67e2207fe46dcba08d2aced58e",
     ("forge.events.PolicyVersion", 1): "d2d014ebd21d53644e7a5ecdd79c648fbf91e7afda67f9a618f201efc0a2e5f3",
+    ("forge.events.PolicyVersion", 2): "71a8a1157f21787d4f15479f95b7e5b112bfafe87fd805ff0907f81bedd878aa",
     ("forge.events.Reward", 1): "21a2a9cb7fc66d5a4bfaf740774eca356396a135dd53a29fc40124161724999b",
     ("forge.events.SessionFinished", 1): "709a7e33d2bf557a2388cfabd6c507828bd05f291d4fa7a8ae834a0869cf4f81",
     ("forge.events.SessionFinished", 2): "a3eb4710df587592a12e2443446070637e5b170c43acaf6bdd6edf75fee8dae4",

@@ -224,7 +224,7 @@ def test_a_reload_that_fails_inside_vllm_is_resumed_and_rolled_back(vllm_engine,
     """The plan's failure path against the real server: a reload from a folder that vanished fails inside vLLM's
     worker (it takes the path for a hub repo id), which leaves vLLM paused and breaks its HTTP connection; the
     control resumes it on a fresh connection and loads the served weights back."""
-    from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+    from forge_stream.engine.vllm_sync import Call, VllmControl, WorkerError
 
     port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", vllm_engine.log.read_text()).group(1)
     url = f"http://127.0.0.1:{port}"
@@ -243,7 +243,7 @@ def test_a_reload_that_fails_inside_vllm_is_resumed_and_rolled_back(vllm_engine,
                 raise AssertionError("a reload from a missing folder was proven")
             sleeping = (await client.get(url + "/is_sleeping")).json()["is_sleeping"]
             proof = await control.load(now["checkpoint"], now["policy_version"])
-            return failure, sleeping, proof, await control.version()
+            return failure, sleeping, proof, (await control.call(Call("GET", "/weight_info")))["weight_version"]
 
     failure, sleeping, proof, served = asyncio.run(fail_then_roll_back())
     assert "collective_rpc" in failure and "HTTP 500" in failure

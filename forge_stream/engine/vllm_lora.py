@@ -1,0 +1,117 @@
+"""How `forge-stream engine vllm --lora-rank R` moves vLLM to a LoRA adapter version (a run trained with `train
+--lora-rank`), and proves it; forge_stream.engine.vllm_load calls `load_adapter` for a version folder that holds an
+adapter (forge_stream.lora.is_adapter).
+
+vLLM serves adapters beside its base model, each under a name of its own, loaded at run time
+(`POST /v1/load_lora_adapter`, with VLLM_ALLOW_RUNTIME_LORA_UPDATING set by the launcher). So a version needs no
+drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven with the probe of
+full weights (vLLM's prompt log-probs under the adapter against peft's on this CPU, forge_stream.engine.vllm_probe),
+and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
+new adapter's name and labelled with its version, whatever model name the agent sent, while those in flight finish
+on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
+already running keep their adapter), so vLLM holds at most two: the served one and one being proven. Its held folder
+is kept until the next switch, so vLLM can read it again for a request still running. An adapter that cannot be
+read or proven is unloaded again and never announced: the last proven version stays served. A version whose adapter
+is the served one byte for byte (a trainer step that changed no weight) is announced on the served adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+
+from forge_stream import lora
+from forge_stream.engine.vllm_engine import EngineState
+from forge_stream.engine.vllm_holds import weights_fingerprint
+from forge_stream.engine.vllm_probe import probe, probe_ids, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_sync import WorkerError
+
+log = logging.getLogger(__name__)
+
+
+async def load_adapter(state: EngineState, checkpoint: str, held: Path, version: int, began: float) -> bool:
+    """Serve the adapter in `held` (this engine's hold of `checkpoint`) as `version`; True if it serves it now."""
+    settings = state.settings
+    current = state.adapters.get(state.gate.version)
+    try:
+        fingerprint = await asyncio.to_thread(weights_fingerprint, held)
+        if current is not None and fingerprint == state.fingerprint:  # a step that changed no weight
+            return _rename(state, checkpoint, held, version, current, began)
+        ids = probe_ids(vocab_size(held))
+        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
+                    if settings.probe else None)
+    except (OSError, ValueError) as exc:
+        return _failed(state, held, version, checkpoint, f"cannot read it ({exc})")
+    name = f"policy-v{version}-{held.name.rsplit('-', 1)[-1]}"
+    loading = time.monotonic()
+    try:
+        await _lora_call(state, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
+    except (WorkerError, httpx.HTTPError) as exc:
+        return _failed(state, held, version, checkpoint, f"vLLM did not load it ({exc})")
+    loaded = time.monotonic() - loading
+    try:
+        mismatch = await probe(state, ids, expected, model=name) if expected is not None else None
+    except (WorkerError, httpx.HTTPError) as exc:
+        await _unload(state, name)
+        return _failed(state, held, version, checkpoint, f"it was not proven ({exc})")
+    _switch(state, checkpoint, held, version, name, fingerprint, mismatch)
+    if current is not None:
+        await _unload(state, current)
+    log.info("serving policy version %s from %s: LoRA adapter %s (%d bytes) loaded in %.3fs, probe log-probs "
+             "within %s of peft's; no request held; %.2fs in all", version, checkpoint, name,
+             lora.weight_bytes(held), loaded, f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
+             time.monotonic() - began)
+    return True
+
+
+def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name: str, fingerprint: str | None,
+            mismatch: float | None) -> None:
+    """From now on requests enter under `version`, sent to adapter `name` (loaded from `held`)."""
+    if state.retired and state.retired != state.settings.model:
+        shutil.rmtree(state.retired, ignore_errors=True)
+    state.retired = state.serving
+    state.adapters = {version: name}
+    state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
+    state.loads, state.last_mismatch = state.loads + 1, mismatch
+    state.gate.reopen(version)
+
+
+def _rename(state: EngineState, checkpoint: str, held: Path, version: int, name: str, began: float) -> bool:
+    """Announce `version`, whose adapter is the served one byte for byte, on the served adapter: no load, and vLLM
+    keeps the folder it loaded the adapter from."""
+    shutil.rmtree(held, ignore_errors=True)
+    previous = state.gate.version
+    state.adapters = {version: name}
+    state.checkpoint, state.renamed = checkpoint, state.renamed + 1
+    state.gate.reopen(version)
+    log.info("serving policy version %s from %s: its adapter is version %s's, byte for byte (a step that changed no "
+             "weight), so it is announced on adapter %s without a load (%.2fs)", version, checkpoint, previous, name,
+             time.monotonic() - began)
+    return True
+
+
+def _failed(state: EngineState, held: Path, version: int, checkpoint: str, why: str) -> bool:
+    shutil.rmtree(held, ignore_errors=True)
+    state.failed_loads += 1
+    log.warning("LoRA policy version %s at %s is not served: %s; still serving version %s", version, checkpoint, why,
+                state.gate.version)
+    return False
+
+
+async def _lora_call(state: EngineState, path: str, body: dict) -> None:
+    response = await state.control.client.post(state.vllm_url + path, json=body)
+    if response.status_code != 200:
+        raise WorkerError(f"POST {path}: HTTP {response.status_code} {response.text[:300]}")
+
+
+async def _unload(state: EngineState, name: str) -> None:
+    """Forget adapter `name` in vLLM (best effort: a name left behind costs one of its LoRA slots)."""
+    try:
+        await _lora_call(state, "/v1/unload_lora_adapter", {"lora_name": name})
+    except (WorkerError, httpx.HTTPError) as exc:
+        log.warning("could not unload LoRA adapter %s from vLLM (%s)", name, exc)

@@ -1,0 +1,57 @@
+"""The second proof of a loaded policy version in `forge-stream engine vllm`: vLLM's prompt log-probs of a fixed token
+sequence (`probe_ids`) must equal the version's own, computed with transformers (full weights) or peft (a LoRA
+adapter on its base model) on this host's CPU, within PROBE_TOLERANCE. forge_stream.engine.vllm_load (full weights)
+and forge_stream.engine.vllm_lora (adapters) use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from forge_stream import lora
+from forge_stream.engine.vllm_engine import EngineState
+from forge_stream.engine.vllm_sync import WorkerError
+
+PROBE_TOKENS = 48  # prompt positions whose log-probs prove a reload
+PROBE_TOLERANCE = 1e-3  # nats: fp32 CPU kernels agree with transformers to about 1e-5
+
+
+def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
+    """A fixed token sequence spread over the vocabulary (the same for every version)."""
+    return [(17 + 7919 * i) % vocab_size for i in range(n)]
+
+
+def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 under the version in `model_dir` (full weights, or an adapter run by peft
+    on its base model, not merged), on the CPU."""
+    import torch
+
+    model = lora.load_policy(model_dir, getattr(torch, dtype), merge=False).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def vocab_size(model_dir: str | Path) -> int:
+    """The vocabulary of a version folder's model (an adapter's: its base model's)."""
+    folder = Path(lora.adapter_base(model_dir) if lora.is_adapter(model_dir) else model_dir)
+    config = orjson.loads((folder / "config.json").read_bytes())
+    return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+async def probe(state: EngineState, ids: list[int], expected: list[float], model: str | None = None) -> float:
+    """vLLM's prompt log-probs of `ids` under `model` (default: the served name; sent straight to vLLM, not through
+    the gate) against `expected`; the largest difference, or WorkerError past PROBE_TOLERANCE."""
+    response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
+        "model": model or state.settings.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
+        "temperature": 1.0})
+    if response.status_code != 200:
+        raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
+    served = response.json()["choices"][0]["prompt_logprobs"]
+    got = [served[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    worst = max(abs(a - b) for a, b in zip(got, expected))
+    if worst > PROBE_TOLERANCE:
+        raise WorkerError(f"probe log-probs differ from the checkpoint's by up to {worst:.3g} nats")
+    return worst

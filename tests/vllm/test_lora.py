@@ -1,0 +1,126 @@
+"""LoRA versions reach real vLLM (`engine vllm --lora-rank`): each adapter is loaded at run time, proven with the
+log-prob probe against peft, and served under the model name agents already use, each answer labelled with its
+version; an adapter that cannot be read, or that vLLM refuses, is not announced and the last proven version stays
+served; a version with the served adapter's bytes is announced without a load.
+
+vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
+shared by this module's tests.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import uuid
+
+import httpx
+import pytest
+
+from forge_stream import lora
+from forge_stream.engine.process import EngineProcess
+from forge_stream.kafka.producer import EventProducer
+from forge_stream.topics import TOPICS
+
+from helpers import adapter_version, until
+
+TOLERANCE = 1e-3  # nats: vLLM's fp32 CPU kernels against peft
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
+    run = f"vllm-lora-{uuid.uuid4().hex[:8]}"
+    log = tmp_path_factory.mktemp("vllm-lora") / "engine.log"
+    engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
+        "--served-model-name", "tiny-lora", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+        "--lora-rank", "4"))
+    with engine:
+        yield engine, run, log, kafka_bootstrap
+
+
+def _publish(bootstrap: str, run: str, version: int, folder) -> float:
+    producer = EventProducer(bootstrap)
+    producer.send_sync(TOPICS.policy, run, {
+        "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version, "step": version,
+        "checkpoint_uri": str(folder), "base_model": lora.adapter_base(folder), "lora_rank": 4,
+        "size_bytes": lora.weight_bytes(folder)})
+    producer.close()
+    return time.monotonic()
+
+
+def _answer(url: str, prompt: list[int]) -> dict:
+    body = {"model": "whatever-the-agent-says", "prompt": prompt, "max_tokens": 4, "temperature": 1.0,
+            "logprobs": 0, "return_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _peft_logprobs(folder, prompt: list[int], completion: list[int]) -> list[float]:
+    import torch
+
+    model = lora.load_policy(folder, merge=False).eval()
+    with torch.no_grad():
+        lp = model(input_ids=torch.tensor([prompt + completion])).logits[0].log_softmax(-1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
+
+
+def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_corrupt_one_is_refused(
+        lora_engine, tiny_model_dir, tmp_path):
+    engine, run, log, bootstrap = lora_engine
+    good = adapter_version(tiny_model_dir, tmp_path / "v1", seed=1)
+    corrupt = adapter_version(tiny_model_dir, tmp_path / "v2", seed=2)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated file
+    later = adapter_version(tiny_model_dir, tmp_path / "v3", seed=3)
+    too_big = adapter_version(tiny_model_dir, tmp_path / "v4", seed=4, rank=16)  # peft reads it; vLLM takes rank <= 8
+    prompt = [5, 17, 99, 23, 42, 7, 300, 12]
+
+    base = _answer(engine.url, prompt)
+    published = _publish(bootstrap, run, 1, good)
+    first = until(lambda: (a := _answer(engine.url, prompt))["policy_version"] == 1 and a, 120,
+                  lambda: f"version 1 not served; see {log}")
+    took = time.monotonic() - published
+    loaded = re.search(r"LoRA adapter (\S+) \((\d+) bytes\) loaded in ([\d.]+)s, probe log-probs within (\S+)",
+                       log.read_text())
+    assert loaded, log.read_text()[-3000:]
+    print(f"vLLM: adapter version 1 ({loaded.group(2)} bytes) published -> first answer under it in {took:.2f}s "
+          f"(load_lora_adapter {loaded.group(3)}s, probe within {loaded.group(4)} nats)")
+    health = httpx.get(f"{engine.url}/health").json()
+    assert health["probe_mismatch"] is not None and health["probe_mismatch"] < TOLERANCE
+
+    _publish(bootstrap, run, 2, corrupt)
+    until(lambda: "LoRA policy version 2" in log.read_text(), 120, "the corrupt version was not refused")
+    kept = _answer(engine.url, prompt)
+    assert httpx.get(f"{engine.url}/health").json()["policy_version"] == 1
+
+    published = _publish(bootstrap, run, 3, later)
+    until(lambda: _answer(engine.url, prompt)["policy_version"] == 3, 120, lambda: f"version 3 not served; see {log}")
+    print(f"vLLM: adapter version 3 published -> first answer under it in {time.monotonic() - published:.2f}s")
+    _publish(bootstrap, run, 4, too_big)
+    until(lambda: "LoRA policy version 4" in log.read_text(), 120, "the rank-16 version was not refused")
+    refused = log.read_text().split("LoRA policy version 4", 1)[1].split("\n", 1)[0]
+    assert "vLLM did not load it" in refused, refused
+    after = _answer(engine.url, prompt)
+    health = httpx.get(f"{engine.url}/health").json()
+    unchanged = shutil.copytree(later, tmp_path / "v5")  # a step without signal: the same adapter bytes
+    _publish(bootstrap, run, 5, unchanged)
+    until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 5, 120, "version 5 not announced")
+    renamed = httpx.get(f"{engine.url}/health").json()
+    assert renamed["renamed_versions"] == health["renamed_versions"] + 1 and renamed["loads"] == health["loads"]
+    assert renamed["lora_adapter"] == health["lora_adapter"] and health["lora_adapter"].startswith("policy-v3-")
+    assert _answer(engine.url, prompt)["policy_version"] == 5
+    port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+    listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
+
+    assert base["policy_version"] == 0 and kept["policy_version"] == 1 and after["policy_version"] == 3
+    # each answer was served by the adapter of the version it is labelled with
+    for answer, folder in ((first, good), (kept, good), (after, later)):
+        choice = answer["choices"][0]
+        expected = _peft_logprobs(folder, prompt, choice["token_ids"])
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=TOLERANCE)
+    plain = base["choices"][0]
+    assert plain["logprobs"]["token_logprobs"] != pytest.approx(
+        _peft_logprobs(good, prompt, plain["token_ids"]), abs=TOLERANCE)  # the adapter moved them
+    assert sorted(listed) == sorted(["tiny-lora", next(n for n in listed if n.startswith("policy-v3-"))])
+
