@@ -39,6 +39,14 @@ def file_argument(word: str) -> str:
     path = Path(word)
     if path.is_absolute():
         return word
-    if path.is_file():
+    if _is_file(path):
         return str(path.resolve())
-    return str(shipped(word)) if shipped(word).is_file() else word
+    return str(shipped(word)) if _is_file(shipped(word)) else word
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; a word no file can have (too long, a NUL byte: `python -c '...'`) is none."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False

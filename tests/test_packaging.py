@@ -60,6 +60,8 @@ def test_the_tour_agent_runs_from_any_directory(tmp_path, monkeypatch):
     own.write_text("print('mine')\n")
     assert shlex.split(command_line(tour))[1] == str(own)
     assert command_line("node agent.js --flag 'a b'") == "node agent.js --flag 'a b'"
+    program = "print(42)  # " + "x" * 300  # longer than a file name may be
+    assert shlex.split(command_line(f"python -c '{program}'")) == [sys.executable, "-c", program]
 
 
 def test_vllm_is_installed_by_the_runtime_only():
