@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -43,10 +43,10 @@ from forge_stream.kafka.admin import check_topics, create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker
 from forge_stream.services import ServiceSpec, Supervisor
 from forge_stream.settings import ForgeSettings
+from forge_stream.shipped import command_line, file_argument
 from forge_stream.topics import EMBEDDED, Replication
 
-REPO_DIR = Path(__file__).resolve().parents[1]
-TOPOLOGY_DIR = REPO_DIR / "topologies"
+TOPOLOGY_DIR = Path(resources.files("topologies"))  # the YAML ships in that package, in a checkout and in a wheel
 
 
 @dataclass(frozen=True)
@@ -255,24 +255,15 @@ def trainer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python("trainer", "forge_stream", "train", *args, env=_threads(opts))
 
 
-def topology_command(command: str) -> str:
-    """A command line from a topology: `python` is this deployment's interpreter, relative paths are the repo's."""
-    words = shlex.split(command)
-    if words and words[0] in ("python", "python3"):
-        words[0] = sys.executable
-    return shlex.join(str(REPO_DIR / w) if not Path(w).is_absolute() and (REPO_DIR / w).is_file() else w
-                      for w in words)
-
-
 def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     """The rollout controller, looping over its task source until `down` stops it (SIGTERM: it lets the sessions
     in flight finish)."""
     if "agent" not in opts:
         raise ValueError("the controller service needs an `agent` command line")
     tasks = str(opts.get("tasks", "suite:train"))
-    if not tasks.startswith("suite:") and (REPO_DIR / tasks).is_file():
-        tasks = str(REPO_DIR / tasks)
-    args = ["rollout", "run", "--tasks", tasks, "--agent", topology_command(opts["agent"]),
+    if not tasks.startswith("suite:"):
+        tasks = file_argument(tasks)
+    args = ["rollout", "run", "--tasks", tasks, "--agent", command_line(opts["agent"]),
             "--gateway-url",
             opts.get("gateway_url", f"http://127.0.0.1:{opts.get('gateway_port', settings.gateway_port)}"),
             "--bootstrap-servers", settings.bootstrap, "--wait-for-kafka"]

@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from forge_stream.kafka.broker import free_port
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 

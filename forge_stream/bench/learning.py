@@ -57,10 +57,10 @@ from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.rollout.recovery import CONTROLLER_KEY
 from forge_stream.services import Supervisor
 from forge_stream.settings import ForgeSettings
+from forge_stream.shipped import command_line
 from forge_stream.topics import TOPICS
 
-REPO = Path(__file__).resolve().parents[2]
-AGENT = f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'} --serve"
+AGENT = command_line("python examples/agents/tool_agent.py --serve")
 
 
 SUBGOAL_RULE = "forge_stream.processors.rules.tool_result_answers"

@@ -10,7 +10,6 @@ Reports groups per second (first event sent to last sample read) and the latency
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import tempfile
 import threading
@@ -28,7 +27,6 @@ from forge_stream.topics import TOPICS
 
 SCHEMA_TOPIC = {"Task": TOPICS.tasks, "SessionStarted": TOPICS.sessions, "SessionFinished": TOPICS.sessions,
                 "Completion": TOPICS.completions, "ToolSpan": TOPICS.tool_spans, "Reward": TOPICS.rewards}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -99,7 +97,7 @@ def _measure(bootstrap: str, groups: int, group_size: int, turns: int, timeout_s
                 [sys.executable, "-c", "from forge_stream.cli import main; main()", "processors", "run",
                  "-b", bootstrap, "--data-dir", data_dir, "--app-id", f"bench-processors-{run_id}",
                  "--offset-reset", "latest", "-l", "warning"],
-                Path(data_dir) / "worker.log", cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                Path(data_dir) / "worker.log")
             proc.wait_healthy("the processors worker", worker, check=probe, log=Path(data_dir) / "worker.log",
                               timeout=180, interval=0)
             ids = [f"bench-{run_id}-{i}" for i in range(groups)]

@@ -32,10 +32,13 @@ def group() -> None:
 
 
 def make_agent(command: str, workers: int, per_worker: int, timeout_s: float):
-    """`workers` > 0: a pool of long-lived processes (JSON lines); 0: one process per session."""
+    """`workers` > 0: a pool of long-lived processes (JSON lines); 0: one process per session. A relative path in
+    `command` that names no file here but a shipped one (the tour's `examples/agents/tool_agent.py`) is that file."""
     from forge_stream.rollout.agents import CommandAgent
     from forge_stream.rollout.pool import PooledCommandAgent
+    from forge_stream.shipped import command_line
 
+    command = command_line(command)
     if workers > 0:
         return PooledCommandAgent(command, workers, per_worker, timeout_s)
     return CommandAgent(command, timeout_s)

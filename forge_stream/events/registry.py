@@ -15,7 +15,9 @@ from pathlib import Path
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-SCHEMAS_DIR = Path(__file__).resolve().parents[2] / "schemas"
+from forge_stream.shipped import shipped
+
+SCHEMAS_DIR = shipped("schemas")
 REGISTRY_FILE = SCHEMAS_DIR / "registry.json"
 
 

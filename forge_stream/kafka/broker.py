@@ -25,10 +25,10 @@ from pathlib import Path
 from string import Template
 
 from forge_stream.proc import ProcessError, alive, start_process, wait_healthy
+from forge_stream.shipped import shipped
 from forge_stream.topics import TOPICS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-INFRA_DIR = REPO_ROOT / "infra" / "kafka"
+INFRA_DIR = shipped("infra/kafka")
 KAFKA_VERSION = "4.1.1"
 JARS_REVISION = 2  # bump when infra/kafka/pom.xml changes, so caches refetch
 

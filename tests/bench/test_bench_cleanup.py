@@ -7,7 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import until
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

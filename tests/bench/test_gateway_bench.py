@@ -6,7 +6,7 @@ import pytest
 
 from forge_stream.bench.gateway import run
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -229,6 +229,7 @@ def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp
         assert result.exit_code == 2 and says in result.output, result.output
 
 
+@pytest.mark.slow
 def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     """The whole protocol, twice, with tiny budgets: every key of the result, both evaluations of a seed on the same
     test tasks (the same for both seeds), the seeds' own warm starts, and rl_minutes within the RL phase."""

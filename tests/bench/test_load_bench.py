@@ -17,6 +17,7 @@ COUNTS = ("acknowledged", "lost", "duplicates", "shed_recorded", "duplicate_turn
           "processes_started", "burst_sessions", "sessions_finished", "workers", "parallel_every")
 
 
+@pytest.mark.slow
 def test_bench_load_reports_turns_recorded_twice_and_stops_every_process_it_started(kafka_bootstrap):
     out = subprocess.run(
         [sys.executable, "-m", "forge_stream", "bench", "load", "--agents", "12", "--seconds", "4", "--workers", "2",

@@ -9,7 +9,7 @@ import pytest
 
 from forge_stream.bench.long_horizon import run
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 def test_a_small_long_horizon_group_goes_through_every_stage(kafka_bootstrap):

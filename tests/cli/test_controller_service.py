@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from forge_stream.deploy import BUILDERS, REPO_DIR, load_topology
+from forge_stream.deploy import BUILDERS, load_topology
 from forge_stream.settings import ForgeSettings
+from forge_stream.shipped import shipped
 
 
 def test_learn_topology_runs_a_looping_pooled_controller_after_the_gateway():
@@ -18,7 +19,7 @@ def test_learn_topology_runs_a_looping_pooled_controller_after_the_gateway():
     assert argv[:5] == [sys.executable, "-m", "forge_stream", "rollout", "run"]
     option = {argv[i]: argv[i + 1] for i in range(5, len(argv) - 1) if argv[i].startswith("--")}
     assert option["--tasks"] == "suite:train"
-    assert shlex.split(option["--agent"]) == [sys.executable, str(REPO_DIR / "examples/agents/tool_agent.py"),
+    assert shlex.split(option["--agent"]) == [sys.executable, str(shipped("examples/agents/tool_agent.py")),
                                               "--serve"]
     assert option["--gateway-url"] == "http://127.0.0.1:8123"
     assert option["--bootstrap-servers"] == "127.0.0.1:1234"

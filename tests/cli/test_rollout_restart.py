@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from helpers import read_events
 
 from forge_stream.events import deterministic_id
@@ -31,6 +32,7 @@ def mine(name):
     return lambda r: r["metadata"].get("controller") == name
 
 
+@pytest.mark.slow
 def test_killed_controller_restarts_without_duplicates_or_open_sessions(kafka_bootstrap, gateway, run_id,
                                                                         tmp_path):
     tasks = tmp_path / "tasks.jsonl"

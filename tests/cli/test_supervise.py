@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.proc import alive as _alive
@@ -33,6 +34,7 @@ def services(env, bootstrap) -> dict:
     return json.loads(cli(env, "status", "-b", bootstrap, "--json").stdout)["services"]
 
 
+@pytest.mark.slow
 def test_killed_service_is_restarted_and_status_says_why(kafka_bootstrap, tmp_path):
     topology = tmp_path / "registry-only.yaml"
     topology.write_text("name: registry-only\nservices:\n  - registry\n")
@@ -70,6 +72,7 @@ def test_killed_service_is_restarted_and_status_says_why(kafka_bootstrap, tmp_pa
         cli(env, "down", "-b", kafka_bootstrap, check=False)
 
 
+@pytest.mark.slow
 def test_service_that_dies_at_once_is_crash_looping(kafka_bootstrap, tmp_path):
     env = _env(tmp_path)
     supervisor = Supervisor(tmp_path / "home" / "run")

@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from forge_stream.events import decode, encode
@@ -20,6 +21,8 @@ from forge_stream.services import Supervisor
 from forge_stream.topics import TOPICS
 
 from helpers import cli, read_events, until
+
+pytestmark = pytest.mark.slow
 
 
 

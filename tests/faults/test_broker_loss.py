@@ -27,7 +27,7 @@ from topologies.processors import TopologyConfig, build_app
 
 from helpers import until
 
-pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]  # about a minute on 2 idle cores
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]  # about a minute on 2 idle cores
 
 CLUSTER = Replication(3, 2)  # topologies/cluster.yaml's
 TOPIC = TOPICS.rewards

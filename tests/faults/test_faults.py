@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 REQUEST_ID = re.compile(r"(req-\d+): ")
 VICTIMS = ("gateway", "processors", "trainer", "engine", "broker")
 
-pytestmark = [pytest.mark.kafka, pytest.mark.timeout(900)]  # about 4 minutes on 2 idle cores; more when loaded
+# about 4 minutes on 2 idle cores; more when loaded
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(900)]
 
 
 def dead_letters(bootstrap: str) -> dict[tuple[str, int, int], set[str]]:

@@ -239,6 +239,7 @@ def own_broker(tmp_path_factory):
     broker.stop()
 
 
+@pytest.mark.slow
 def test_a_delivery_the_broker_took_but_did_not_acknowledge_in_time(own_broker, make_gateway, run_id):
     """The ambiguous case: the broker is frozen (SIGSTOP) while a turn's Completion is in flight, so the gateway's
     delivery times out (503: it may or may not have been recorded), and then thawed, when it writes what it had

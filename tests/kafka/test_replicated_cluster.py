@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))
 from helpers import serving, until  # noqa: E402
 from scheduler_records import group_id, sample, task  # noqa: E402
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 @pytest.fixture(scope="module")

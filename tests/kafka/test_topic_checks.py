@@ -115,6 +115,7 @@ def test_topics_replicated_otherwise_than_the_deployment_says_are_refused(kafka_
                       replication=Replication(3, 2))
 
 
+@pytest.mark.slow
 def test_a_kafka_outage_is_waited_out(own_broker, tmp_path):
     broker, bootstrap = own_broker
     repair_topics(bootstrap, recreate=True)

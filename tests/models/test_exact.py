@@ -44,6 +44,8 @@ from forge_stream.trainer.service import PolicyTrainer, TrainerSettings
 from forge_stream.trainer.step import StepConfig
 from forge_stream.tree import pack, sequence_logprobs
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object",
                                                           "properties": {"expression": {"type": "string"}},

@@ -22,6 +22,7 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
                                                           "properties": {"expression": {"type": "string"}}}}}]
 
 
+@pytest.mark.slow
 def test_smollm2_manifest_and_files(smollm2):
     manifest = json.loads((smollm2 / "forge-model.json").read_text())
     assert manifest["source_sha256"] == KNOWN["smollm2-135m"].sha256
@@ -36,6 +37,7 @@ def test_smollm2_manifest_and_files(smollm2):
     assert "tools" not in (smollm2 / "chat_template.original.jinja").read_text()
 
 
+@pytest.mark.slow
 def test_smollm2_template_renders_tools_and_ends_turns(smollm2):
     tok = AutoTokenizer.from_pretrained(smollm2)
     assert tok.eos_token == "<|im_end|>"
@@ -65,6 +67,7 @@ def test_smollm2_template_renders_tools_and_ends_turns(smollm2):
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 5  # system, user, assistant, tool, prompt
 
 
+@pytest.mark.slow
 def test_smollm2_answers_in_words(smollm2):
     """The dequantized weights are a working model, not noise: greedy, it talks about the sum and ends its turn
     (wrongly: 135M parameters, quantized to 4 bits; room to learn)."""

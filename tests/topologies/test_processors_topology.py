@@ -203,6 +203,7 @@ def test_a_worker_behind_reads_its_backlog_before_it_times_groups_out(kafka_boot
     assert samples == want
 
 
+@pytest.mark.slow
 def test_sigkill_and_restart_yield_one_identical_sample_per_group(kafka_bootstrap, run_id, tmp_path):
     settings = ProcessorSettings(group_timeout_ms=600_000)
     t0 = now_ms()
@@ -238,6 +239,7 @@ def _members(admin, app_id: str) -> list[int]:
     return [len(m.assignment.topic_partitions) for m in group.members]
 
 
+@pytest.mark.slow
 def test_two_workers_share_the_partitions_and_one_takes_over_when_the_other_is_killed(kafka_bootstrap, run_id,
                                                                                       tmp_path):
     """Two workers of one group split the partitions; SIGKILL one with groups half-folded in its tables, and the

@@ -67,6 +67,7 @@ def test_balance_spreads_unique_tokens_deterministically():
     assert balance(sizes, 2) == shares and all(s == sorted(s) for s in shares)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_take_the_single_process_steps(tmp_path):
     """Parameters after each of 5 steps (the second with active grad clipping on summed gradients, the third
     skipped for a NaN on one rank's tree, the fourth with an idle rank, the fifth with a group without signal) equal
@@ -98,6 +99,7 @@ def test_two_gloo_ranks_take_the_single_process_steps(tmp_path):
     assert [step[1]["groups_without_signal"] for step in single] == [0, 0, 0, 0, 1]
 
 
+@pytest.mark.slow
 def test_train_nproc_2_consumes_and_publishes_on_rank_0_only(kafka_bootstrap, tiny_model_dir, tmp_path, run_id):
     run = f"run-{run_id}"
     start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))

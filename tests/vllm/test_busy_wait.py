@@ -10,10 +10,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from forge_stream.bench.cpu import proc_tree_cpu, processes
 from forge_stream.engine.vllm_runtime import MQ_POLL_S, runtime, vllm_env
 from forge_stream.settings import ForgeSettings
+
+pytestmark = pytest.mark.slow
 
 # a reader inside its busy window waits 200 times; vLLM's spin takes microseconds, a poll sleeps
 WAITS = """

@@ -16,6 +16,8 @@ from forge_stream.kafka.history import read_completions
 
 from vllm_support import open_session, trainer_logprobs
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]

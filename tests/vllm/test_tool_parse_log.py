@@ -11,6 +11,8 @@ import pytest
 from forge_stream.engine.vllm_runtime import runtime, vllm_env
 from forge_stream.settings import ForgeSettings
 
+pytestmark = pytest.mark.slow
+
 # vLLM's own hermes parser, on the tiny model's tokenizer, given a <tool_call> block whose JSON does not load
 PARSE_FAILURE = """
 import logging, sys

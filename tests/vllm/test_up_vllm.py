@@ -9,11 +9,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
 
 from helpers import cli
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from forge_stream.kafka.history import read_completions
@@ -20,6 +21,8 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
 from vllm_support import open_session, trainer_logprobs
+
+pytestmark = pytest.mark.slow
 
 TOLERANCE = 2e-3  # nats, fp32 on the CPU
 
