@@ -14,6 +14,12 @@ from pathlib import Path
 from string import Template
 
 CONFIG_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "haproxy" / "gateway.cfg"
+class _Placeholders(Template):
+    """The config's placeholders are `@@name` (HAProxy's own syntax uses `$` and `%`)."""
+
+    delimiter = "@@"
+
+
 INSTALL_HINT = "install HAProxy (Debian/Ubuntu: apt-get install -y haproxy) or put it on PATH"
 
 
@@ -27,7 +33,7 @@ def render(backends: list[str], *, bind: str = "127.0.0.1", port: int = 8000, ch
         if not host or not port_text.isdigit():
             raise ValueError(f"gateway host {backend!r}: give it as HOST:PORT, e.g. gw-0:8000")
     servers = "\n".join(f"    server gw-{i} {backend} check" for i, backend in enumerate(backends))
-    return Template(CONFIG_TEMPLATE.read_text()).substitute(bind=bind, port=port, check_ms=check_ms,
+    return _Placeholders(CONFIG_TEMPLATE.read_text()).substitute(bind=bind, port=port, check_ms=check_ms,
                                                            servers=servers)
 
 
