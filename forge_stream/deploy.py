@@ -133,8 +133,11 @@ def plan(settings: ForgeSettings, topology: Topology, host: str | None = None,
                 opts = {"master_addr": f"{placed[0]}:29500", **opts, "node_rank": rank}
             if name == "load_balancer":  # in front of the gateway's hosts, at the gateway's port
                 gateway_port = topology.options.get("gateway", {}).get("port", settings.gateway_port)
-                opts = {"backends": [f"{h}:{gateway_port}" for h in topology.hosts.get("gateway", ["127.0.0.1"])],
-                        **opts}
+                gateway_hosts = topology.hosts.get("gateway", [""])
+                if where in gateway_hosts and int(opts.get("port", settings.gateway_port)) == int(gateway_port):
+                    raise ValueError(f"load_balancer: the gateway listens on port {gateway_port} on its host too: "
+                                     "give the load balancer another `port:`")
+                opts = {"backends": [f"{h or '127.0.0.1'}:{gateway_port}" for h in gateway_hosts], **opts}
             spec = BUILDERS[name](settings, opts)
             env = {**replication_env(settings.replication), **credentials_env(name, creds), **spec.env}
             out.append(Placement(where, replace(spec, env=env)))

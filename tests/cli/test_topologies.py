@@ -122,3 +122,16 @@ def test_a_topology_states_its_replication_and_every_service_is_told_it(tmp_path
     with pytest.raises(ValueError, match="wrong.yaml: kafka: min.insync.replicas 3 must be between 1 and the "
                                          "replication factor 2"):
         load_topology(str(wrong))
+
+
+def test_a_load_balancer_on_a_gateway_s_host_needs_a_port_of_its_own(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text("name: two\nservices:\n  - gateway: {hosts: [gw-0, gw-1], port: 8000}\n"
+                    "  - load_balancer: {host: gw-0}\n")
+    with pytest.raises(ValueError, match="give the load balancer another `port:`"):
+        plan(SETTINGS, load_topology(str(path)), "gw-0")
+    path.write_text(path.read_text().replace("{host: gw-0}", "{host: gw-0, port: 8080}"))
+    (balancer,) = [p.spec for p in plan(SETTINGS, load_topology(str(path)), "gw-0") if p.spec.name == "load_balancer"]
+    assert balancer.argv[balancer.argv.index("--port") + 1] == "8080"
+    assert [balancer.argv[i + 1] for i, a in enumerate(balancer.argv) if a == "--backend"] == ["gw-0:8000",
+                                                                                              "gw-1:8000"]
