@@ -131,6 +131,13 @@ def plan(settings: ForgeSettings, topology: Topology, host: str | None = None,
                 if len(placed) != int(opts["nnodes"]):
                     raise ValueError(f"trainer: nnodes {opts['nnodes']} but {len(placed)} hosts")
                 opts = {"master_addr": f"{placed[0]}:29500", **opts, "node_rank": rank}
+            if name == "load_balancer":  # in front of the gateway's hosts, at the gateway's port
+                gateway_port = topology.options.get("gateway", {}).get("port", settings.gateway_port)
+                gateway_hosts = topology.hosts.get("gateway", [""])
+                if where in gateway_hosts and int(opts.get("port", settings.gateway_port)) == int(gateway_port):
+                    raise ValueError(f"load_balancer: the gateway listens on port {gateway_port} on its host too: "
+                                     "give the load balancer another `port:`")
+                opts = {"backends": [f"{h or '127.0.0.1'}:{gateway_port}" for h in gateway_hosts], **opts}
             spec = BUILDERS[name](settings, opts)
             env = {**replication_env(settings.replication), **credentials_env(name, creds), **spec.env}
             out.append(Placement(where, replace(spec, env=env)))
@@ -230,6 +237,19 @@ def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
+def load_balancer_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    """HAProxy from the shipped config in front of the gateway hosts (`backends`: HOST:PORT each, by default every
+    host the topology places the gateway on), routing each session to one of them (forge_stream.balancer)."""
+    port = opts.get("port", settings.gateway_port)
+    return ServiceSpec.python(
+        "load_balancer", "forge_stream", "gateway", "balance",
+        *(a for backend in opts["backends"] for a in ("--backend", str(backend))),
+        "--port", str(port), "--config", str(settings.home / "load-balancer" / "haproxy.cfg"),
+        *_flags(opts, ("check_ms",)), *(["--host", str(opts["bind"])] if "bind" in opts else []),
+        health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}",
+    )
+
+
 def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     return ServiceSpec.python(
         "processors", "forge_stream", "processors", "run", "--bootstrap-servers", settings.bootstrap,
@@ -280,6 +300,7 @@ BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
     "engine": engine_service,
     "gateway": gateway_service,
+    "load_balancer": load_balancer_service,
     "processors": processors_service,
     "trainer": trainer_service,
     "controller": controller_service,

@@ -19,18 +19,28 @@ broker, the engine, the gateway and its workers, and whatever they started: ever
 that was not there before it) still running after it stopped them (must be 0; `orphan_processes` names them).
 `p50_ms`/`p99_ms` are the latencies of successful chat calls; `rss_mb_max` the gateway's peak resident memory (all
 its processes), sampled from /proc/<pid>/status while the agents run.
+
+`hosts` > 1 runs that many gateways (each `serve --workers N` with its own ledger and home, as on separate hosts)
+behind HAProxy with the shipped config (`forge-stream gateway balance`: each session to one host by its id; the
+agents name the session they open with X-Forge-Session), and `kill_host_after_s` SIGKILLs the last host (its
+supervisor and workers) that long into the run: its sessions move to the others, which rebuild them from Kafka. A
+call its host died under (HAProxy's 502/503/504, or a reset) is counted in `unanswered` and sent again with a new id;
+`lost` and `duplicate_turns` still count what was acknowledged and what was recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
 from contextlib import ExitStack
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +58,7 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
                                            "parameters": {"type": "object",
                                                           "properties": {"expression": {"type": "string"}}}}}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+_BALANCED: ContextVar[bool] = ContextVar("balanced", default=False)  # the agents call through HAProxy
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ class LoadSettings:
     client_timeout_s: float = 30.0
     workers: int = 2  # gateway processes serving the port
     parallel_every: int = 4  # every n-th agent asks its first turn as a burst of parallel calls (0: none)
+    hosts: int = 1  # gateways, behind HAProxy when more than one
+    kill_host_after_s: float | None = None  # SIGKILL the last host this long into the run (hosts > 1)
     bootstrap: str | None = None
 
 
@@ -71,6 +84,7 @@ class Tally:
     shed: Counter = field(default_factory=Counter)  # status -> count
     shed_without_retry_after: int = 0
     errors: Counter = field(default_factory=Counter)  # other non-2xx status (or exception name) -> count
+    unanswered: int = 0  # calls the balancer found no answer for (their host died under them), sent again
     latencies_ms: list[float] = field(default_factory=list)
     sessions: int = 0
     burst_sessions: int = 0  # sessions that asked a turn as a burst of parallel calls
@@ -85,18 +99,26 @@ def _retry_delay(response: httpx.Response) -> float | None:
 
 
 async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, deadline: float,
-                chat: bool = False) -> httpx.Response | None:
+                chat: bool = False, headers: dict | None = None) -> httpx.Response | None:
     """POST until answered other than 429/503 (waiting each shed answer's delay); None past the deadline or on
-    any other failure. `make_body(call_id)` builds each attempt's body."""
+    any other failure. `make_body(call_id)` builds each attempt's body. Behind a balancer, a call its host died
+    under is sent again."""
     while time.monotonic() < deadline:
         call_id = uuid.uuid4().hex
         start = time.perf_counter()
         try:
             response = await client.post(path, content=orjson.dumps(make_body(call_id)),
-                                         headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            tally.errors[type(exc).__name__] += 1
-            return None
+                                         headers={"content-type": "application/json", **(headers or {})})
+        except httpx.TransportError as exc:
+            if not _BALANCED.get():
+                tally.errors[type(exc).__name__] += 1
+                return None
+            response = None
+        if response is None or _BALANCED.get() and response.status_code in (502, 504) or \
+                _BALANCED.get() and response.status_code == 503 and "retry-after" not in response.headers:
+            tally.unanswered += 1
+            await asyncio.sleep(0.1)
+            continue
         if response.status_code in (429, 503):
             tally.shed[response.status_code] += 1
             if chat:
@@ -137,7 +159,8 @@ async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: floa
         session_id = f"{run}-{index}-{episode}"
         episode += 1
         opened = await _post(client, "/v1/sessions", lambda _: {
-            "session_id": session_id, "group_id": f"{run}-{index}", "task_id": "load"}, tally, deadline)
+            "session_id": session_id, "group_id": f"{run}-{index}", "task_id": "load"}, tally, deadline,
+            headers={"X-Forge-Session": session_id})  # behind a balancer: opened on the host that serves it
         if opened is None:
             return
         chat = f"/s/{session_id}/v1/chat/completions"
@@ -210,28 +233,37 @@ def still_running(started: set[tuple[int, int]]) -> list[str]:
     return out
 
 
-def _rss_mb(pid: int) -> float:
-    """Resident memory of `pid` and its descendants (the gateway's supervisor and workers), in MiB."""
+def _rss_mb(pids: list[int]) -> float:
+    """Resident memory of `pids` and their descendants (each gateway's supervisor and workers), in MiB."""
     total = 0
-    for proc in [pid, *(p for p, _ in descendants(pid))]:
+    for proc in [*pids, *(p for pid in pids for p, _ in descendants(pid))]:
         try:
             status = Path(f"/proc/{proc}/status").read_text()
         except OSError:  # a worker that ended meanwhile
             continue
         total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     if not total:
-        raise RuntimeError(f"no VmRSS for process {pid}")
+        raise RuntimeError(f"no VmRSS for processes {pids}")
     return total / 1024
 
 
-async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, tally: Tally) -> dict:
+async def _drive(settings: LoadSettings, gateway_url: str, gateways: list[tuple[str, subprocess.Popen]], run: str,
+                 tally: Tally) -> dict:
+    """Run the agents against `gateway_url` (a gateway, or the balancer in front of `gateways`: URL and process
+    each), killing the last gateway `kill_host_after_s` into the run."""
     limits = httpx.Limits(max_connections=settings.agents + 8, max_keepalive_connections=settings.agents + 8)
     samples: list[float] = []
     stop = asyncio.Event()
+    live = list(gateways)
+
+    async def kill_host() -> None:
+        await asyncio.sleep(settings.kill_host_after_s)
+        _, proc = live.pop()
+        os.killpg(proc.pid, signal.SIGKILL)  # the host's supervisor and its workers
 
     async def sample() -> None:
         while not stop.is_set():
-            samples.append(_rss_mb(pid))
+            samples.append(_rss_mb([proc.pid for _, proc in live]))
             try:
                 await asyncio.wait_for(stop.wait(), 0.25)
             except TimeoutError:
@@ -242,12 +274,17 @@ async def _drive(settings: LoadSettings, gateway_url: str, pid: int, run: str, t
         sampler = asyncio.create_task(sample())
         start = time.monotonic()
         deadline = start + settings.seconds
+        _BALANCED.set(len(gateways) > 1)
+        killer = asyncio.create_task(kill_host()) if settings.kill_host_after_s is not None else None
         await asyncio.gather(*(_agent(client, run, i, deadline, tally, burst_size(i, settings.parallel_every))
                                for i in range(settings.agents)))
         elapsed = time.monotonic() - start
+        if killer is not None:
+            killer.cancel()
         stop.set()
         await sampler
-        health = (await client.get("/health")).json()
+        healths = [(await client.get(f"{url}/health")).json() for url, _ in live]
+    health = {key: sum(h[key] for h in healths) for key in ("sessions", "open_sessions")}
     return {"elapsed_s": elapsed, "rss_mb_start": samples[0], "rss_mb_max": max(samples),
             "rss_mb_end": samples[-1], "health": health}
 
@@ -283,6 +320,32 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
 
 
+def _gateway(stack: ExitStack, settings: LoadSettings, home: Path, kafka: str,
+             engine_port: int) -> tuple[str, subprocess.Popen]:
+    """A gateway host: `serve --workers N` with a home of its own (its own ledger), in a process group of its own."""
+    port = free_port()
+    home.mkdir()
+    proc = stack.enter_context(running(
+        [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
+         f"http://127.0.0.1:{engine_port}", "--port", str(port), "--bootstrap-servers", kafka,
+         "--max-in-flight", str(settings.max_in_flight), "--max-waiting", str(settings.max_waiting),
+         "--shed-retry-after-s", str(settings.retry_after_s), "--workers", str(settings.workers)],
+        url=f"http://127.0.0.1:{port}/health", log=home / "gateway.log", stop_timeout=10, new_session=True,
+        env={**os.environ, "FORGE_HOME": str(home)}))
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _balancer(stack: ExitStack, gateways: list[tuple[str, subprocess.Popen]], work: Path) -> str:
+    """HAProxy with the shipped config in front of `gateways`; its URL."""
+    port = free_port()
+    backends = [a for url, _ in gateways for a in ("--backend", url.removeprefix("http://"))]
+    stack.enter_context(running(
+        [sys.executable, "-m", "forge_stream", "gateway", "balance", *backends, "--port", str(port), "--check-ms",
+         "500", "--config", str(work / "haproxy.cfg")],
+        url=f"http://127.0.0.1:{port}/health", log=work / "haproxy.log", stop_timeout=10))
+    return f"http://127.0.0.1:{port}"
+
+
 def run(settings: LoadSettings = LoadSettings()) -> dict:
     try:
         import uvloop
@@ -296,23 +359,19 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
     with tempfile.TemporaryDirectory(prefix="forge-bench-load-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(settings.bootstrap, work))
-        engine_port, gateway_port = free_port(), free_port()
+        engine_port = free_port()
         stack.enter_context(running(
             [sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
              "--reply", "The answer is 42.", "--tool-call", CALL, "--delay-ms", str(settings.engine_delay_ms)],
             url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log", stop_timeout=10))
-        gateway = stack.enter_context(running(
-            [sys.executable, "-c", "from forge_stream.cli import main; main()", "gateway", "serve", "--engine",
-             f"http://127.0.0.1:{engine_port}", "--port", str(gateway_port), "--bootstrap-servers", kafka,
-             "--max-in-flight", str(settings.max_in_flight), "--max-waiting", str(settings.max_waiting),
-             "--shed-retry-after-s", str(settings.retry_after_s), "--workers", str(settings.workers)],
-            url=f"http://127.0.0.1:{gateway_port}/health", log=work / "gateway.log", stop_timeout=10))
+        gateways = [_gateway(stack, settings, work / f"gateway-{i}", kafka, engine_port)
+                    for i in range(settings.hosts)]
+        gateway_url = gateways[0][0] if settings.hosts == 1 else _balancer(stack, gateways, work)
         before = end_offsets(kafka, TOPICS.completions.name, TOPICS.completions.partitions)
         started |= descendants(os.getpid()) - before_run
         loop = loop_factory()
         try:
-            driven = loop.run_until_complete(_drive(settings, f"http://127.0.0.1:{gateway_port}", gateway.pid,
-                                                    run_id, tally))
+            driven = loop.run_until_complete(_drive(settings, gateway_url, gateways, run_id, tally))
         finally:
             loop.close()
         recorded = _read_back(kafka, before, run_id)
@@ -339,5 +398,6 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         "gateway_sessions_kept": health["sessions"], "gateway_open_sessions": health["open_sessions"],
         "max_in_flight": settings.max_in_flight, "max_waiting": settings.max_waiting,
         "engine_delay_ms": settings.engine_delay_ms, "workers": settings.workers,
-        "parallel_every": settings.parallel_every,
+        "parallel_every": settings.parallel_every, "hosts": settings.hosts,
+        "hosts_killed": int(settings.kill_host_after_s is not None), "unanswered": tally.unanswered,
     }

@@ -155,16 +155,23 @@ def load(
     workers: int = typer.Option(2, min=1, help="The gateway's --workers."),
     parallel_every: int = typer.Option(4, min=0, help="Every n-th agent asks its first turn as 2, 3 or 4 chat calls "
                                                       "at once in its session (0: none)."),
+    hosts: int = typer.Option(1, min=1, help="Gateway hosts (each its own `serve --workers N` and ledger), behind "
+                                             "HAProxy (`gateway balance`) when more than one."),
+    kill_host_after_s: Optional[float] = typer.Option(
+        None, help="With --hosts 2 or more: SIGKILL the last host this long into the run (its sessions move)."),
     bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", help="Kafka (default: a fresh local broker)."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Many agents against the gateway for a fixed time: shed answers, acknowledged vs recorded, one record per turn,
-    processes left running, p99, peak RSS."""
+    processes left running, p99, peak RSS; with --hosts, across gateway hosts behind HAProxy."""
+    if kill_host_after_s is not None and hosts < 2:
+        raise user_error("bench load: --kill-host-after-s needs --hosts 2 or more (a host left to move to)")
     from forge_stream.bench.load import LoadSettings, run
 
     emit(run(LoadSettings(agents=agents, seconds=seconds, max_in_flight=max_in_flight, max_waiting=max_waiting,
                           retry_after_s=retry_after_s, engine_delay_ms=engine_delay_ms, workers=workers,
-                          parallel_every=parallel_every, bootstrap=bootstrap_servers)), as_json)
+                          parallel_every=parallel_every, hosts=hosts, kill_host_after_s=kill_host_after_s,
+                          bootstrap=bootstrap_servers)), as_json)
 
 
 @app.command("scheduler")

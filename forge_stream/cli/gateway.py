@@ -1,5 +1,6 @@
 """`forge-stream gateway serve`: run the ingress gateway in front of one or more engines (`--workers N`: N
-processes on one port, each a replica that serves any session; forge_stream.gateway.restore)."""
+processes on one port, each a replica that serves any session; forge_stream.gateway.restore). `forge-stream gateway
+balance`: HAProxy in front of several gateway hosts, routing by session (forge_stream.balancer)."""
 
 import dataclasses
 import gc
@@ -103,6 +104,30 @@ def serve(
         os.environ[_SETTINGS_ENV] = json.dumps(dataclasses.asdict(dataclasses.replace(gateway, worker_ledger=ledger)))
         run_workers(uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **options),
                     listening)
+
+
+@app.command("balance")
+def balance(
+    backend: List[str] = typer.Option(..., "--backend", help="A gateway host as HOST:PORT (repeat for each host)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    check_ms: int = typer.Option(1000, help="Interval of the /health checks; two failed take a host out."),
+    config: Optional[str] = typer.Option(
+        None, help="Where to write the rendered HAProxy config (default: load-balancer/haproxy.cfg in FORGE_HOME)."),
+) -> None:
+    """Run HAProxy from the shipped config (infra/haproxy/gateway.cfg) in front of gateway hosts: every call of a
+    session (its path /s/<id>/..., /v1/sessions/<id>/..., or X-Forge-Session) goes to one host by a consistent hash
+    of the session id; a host failing /health is taken out and its sessions move to the others."""
+    from pathlib import Path
+
+    from forge_stream import balancer
+    from forge_stream.settings import ForgeSettings
+
+    path = Path(config) if config else ForgeSettings().home / "load-balancer" / "haproxy.cfg"
+    try:
+        balancer.serve(list(backend), path, bind=host, port=port, check_ms=check_ms)
+    except ValueError as exc:
+        raise user_error(f"gateway balance: {exc}") from None
 
 
 def worker_app():

@@ -3,6 +3,7 @@ burst of parallel calls, and the run's proof of what it recorded (one record per
 left running (nothing). (Shedding and memory under load are tests/gateway/test_gateway_load.py's.)"""
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -48,3 +49,19 @@ def test_a_process_left_running_is_counted_until_it_ends():
     child.kill()
     child.wait()
     assert still_running(started) == []
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
+                    reason="haproxy is not installed (apt-get install -y haproxy): --hosts 2 runs the gateways behind it")
+def test_bench_load_across_two_hosts_behind_haproxy_loses_nothing_when_one_is_killed(kafka_bootstrap):
+    out = subprocess.run(
+        [sys.executable, "-m", "forge_stream", "bench", "load", "--agents", "12", "--seconds", "8", "--workers", "2",
+         "--hosts", "2", "--kill-host-after-s", "3", "--parallel-every", "3", "--bootstrap-servers", kafka_bootstrap,
+         "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (result["hosts"], result["hosts_killed"]) == (2, 1), result
+    # the engine, two gateway supervisors with two workers each, haproxy
+    assert result["processes_started"] >= 6 and result["orphans"] == 0, result
+    assert result["acknowledged"] > 0 and result["errors"] == {}, result
+    assert result["lost"] == result["duplicates"] == result["duplicate_turns"] == 0, result

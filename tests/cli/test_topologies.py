@@ -53,7 +53,7 @@ def test_the_cluster_topology_places_each_service_on_its_hosts():
     local = ForgeSettings()  # no --bootstrap-servers: the topology's cluster is used, not an embedded broker
     assert plan(local, topology, None) == []  # every service of a cluster is placed on a host
     by_host = {h: [p.spec for p in plan(local, topology, h)]
-               for h in ("ctl-0", "gw-0", "gw-1", "gpu-0", "gpu-3", "proc-0", "proc-1", "train-0", "train-1")}
+               for h in ("ctl-0", "lb-0", "gw-0", "gw-1", "gpu-0", "gpu-3", "proc-0", "proc-1", "train-0", "train-1")}
     assert [s.name for s in by_host["ctl-0"]] == ["registry", "controller"]
     for host in ("gpu-0", "gpu-3"):  # real vLLM behind the engine protocol, following run main, LMCache on
         (engine,) = by_host[host]
@@ -76,6 +76,13 @@ def test_the_cluster_topology_places_each_service_on_its_hosts():
                 assert spec.argv[spec.argv.index("--bootstrap-servers") + 1] == topology.bootstrap_servers
     gateway = by_host["gw-0"][0].argv
     assert gateway.count("--engine") == 4 and gateway[gateway.index("--host") + 1] == "0.0.0.0"
+    # each gateway host numbers its sessions' turns under its own ledger; HAProxy sends each session to one host
+    assert gateway[gateway.index("--workers") + 1] == "4" and "--shared-sessions" not in gateway
+    (balancer,) = by_host["lb-0"]
+    option = dict(zip(balancer.argv, balancer.argv[1:]))
+    assert balancer.argv[3:5] == ["gateway", "balance"] and (option["--host"], option["--port"]) == ("0.0.0.0", "8000")
+    assert [balancer.argv[i + 1] for i, a in enumerate(balancer.argv) if a == "--backend"] == ["gw-0:8000",
+                                                                                              "gw-1:8000"]
     with pytest.raises(ValueError, match="places nothing on host 'gpu-9'"):
         up(local, topology, host="gpu-9")
 
@@ -87,7 +94,8 @@ def test_up_dry_run_prints_what_runs_where_and_starts_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["kafka"] == "kafka-0:9092,kafka-1:9092,kafka-2:9092"
-    assert sorted(result["hosts"]) == ["ctl-0", "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gw-0", "gw-1", "proc-0", "proc-1",
+    assert sorted(result["hosts"]) == ["ctl-0", "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gw-0", "gw-1", "lb-0", "proc-0",
+                                       "proc-1",
                                        "train-0", "train-1"]
     assert "--node-rank 1" in result["hosts"]["train-1"][0]["command"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "kafka").exists()  # nothing started
@@ -114,3 +122,16 @@ def test_a_topology_states_its_replication_and_every_service_is_told_it(tmp_path
     with pytest.raises(ValueError, match="wrong.yaml: kafka: min.insync.replicas 3 must be between 1 and the "
                                          "replication factor 2"):
         load_topology(str(wrong))
+
+
+def test_a_load_balancer_on_a_gateway_s_host_needs_a_port_of_its_own(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text("name: two\nservices:\n  - gateway: {hosts: [gw-0, gw-1], port: 8000}\n"
+                    "  - load_balancer: {host: gw-0}\n")
+    with pytest.raises(ValueError, match="give the load balancer another `port:`"):
+        plan(SETTINGS, load_topology(str(path)), "gw-0")
+    path.write_text(path.read_text().replace("{host: gw-0}", "{host: gw-0, port: 8080}"))
+    (balancer,) = [p.spec for p in plan(SETTINGS, load_topology(str(path)), "gw-0") if p.spec.name == "load_balancer"]
+    assert balancer.argv[balancer.argv.index("--port") + 1] == "8080"
+    assert [balancer.argv[i + 1] for i, a in enumerate(balancer.argv) if a == "--backend"] == ["gw-0:8000",
+                                                                                              "gw-1:8000"]
