@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from forge_stream.gateway.scripted import encode, render
+from forge_stream.bench.scripted import encode, render
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.bench import bench_kafka
 from forge_stream.kafka.admin import end_offsets, scratch_topic
@@ -168,7 +168,7 @@ def run(requests: int = 20000, prompt_bytes: int = 1000, concurrency: tuple[int,
         work = Path(tmp)
         kafka = stack.enter_context(bench_kafka(bootstrap, work))
         engine_port, gateway_port = free_port(), free_port()
-        engine = stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port",
+        engine = stack.enter_context(running([sys.executable, "-m", "forge_stream.bench.scripted", "--port",
                                               str(engine_port),
                                      "--reply", "The answer is 42, computed by the scripted engine."],
                                     url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log",

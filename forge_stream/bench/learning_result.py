@@ -7,14 +7,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from forge_stream.bench.intervals import paired_bootstrap
+from forge_stream.bench.learning_settings import LearningSettings
 from forge_stream.rollout.sources import load_task_source
 from forge_stream.tasks.suite import task_kind, template_key
-
-if TYPE_CHECKING:
-    from forge_stream.bench.learning import LearningSettings
 
 
 FOOTHOLD = (0.1, 0.5)  # a kind whose baseline is in here: the warm start can do it, not reliably

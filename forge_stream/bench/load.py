@@ -361,7 +361,7 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         kafka = stack.enter_context(bench_kafka(settings.bootstrap, work))
         engine_port = free_port()
         stack.enter_context(running(
-            [sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port),
+            [sys.executable, "-m", "forge_stream.bench.scripted", "--port", str(engine_port),
              "--reply", "The answer is 42.", "--tool-call", CALL, "--delay-ms", str(settings.engine_delay_ms)],
             url=f"http://127.0.0.1:{engine_port}/health", log=work / "engine.log", stop_timeout=10))
         gateways = [_gateway(stack, settings, work / f"gateway-{i}", kafka, engine_port)

@@ -203,7 +203,7 @@ def measure(bootstrap: str | None, sessions: int, turns: int, resets: tuple[int,
         engine_port, gateway_port = free_port(), free_port()
         engine = f"http://127.0.0.1:{engine_port}"
         gateway = f"http://127.0.0.1:{gateway_port}"
-        stack.enter_context(running([sys.executable, "-m", "forge_stream.gateway.scripted", "--port",
+        stack.enter_context(running([sys.executable, "-m", "forge_stream.bench.scripted", "--port",
                                      str(engine_port), "--reply", "Noted; continuing with the next step.",
                                      "--tool-call",
                                      '<tool_call>{"name": "shell", "arguments": {"cmd": "make test"}}</tool_call>'],

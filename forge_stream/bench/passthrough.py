@@ -22,7 +22,7 @@ import os
 import aiohttp
 import orjson
 
-from forge_stream.gateway.scripted import reply_json
+from forge_stream.bench.scripted import reply_json
 from forge_stream.gateway.completing import for_client, hidden_fields, upstream_body
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.gateway.wire import CoalescingHttpToolsProtocol

@@ -293,7 +293,8 @@ def learning(
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
     if engine_load_interval is None:
         engine_load_interval = 30.0 if model and engine_kind == "vllm" and not lora_rank else 0.0
-    from forge_stream.bench.learning import EngineGone, LearningSettings, NothingTrained, OutsideBand, run
+    from forge_stream.bench.learning import EngineGone, NothingTrained, OutsideBand, run
+    from forge_stream.bench.learning_settings import LearningSettings
 
     if engine_kind not in ("torch", "vllm"):
         typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)

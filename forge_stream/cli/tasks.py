@@ -47,13 +47,13 @@ def probe_command(
                                  "answer length, a reasoning template) instead of per domain."),
 ) -> None:
     """Teacher-forced: per domain (or kind of task) and turn, how likely the policy produces the ideal turn, and its
-    worst tokens (forge_stream/tasks/probe.py)."""
+    worst tokens (forge_stream/trainer/probe.py)."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from forge_stream.cli.options import settings
-    from forge_stream.tasks.probe import probe
+    from forge_stream.trainer.probe import probe
     from forge_stream.tasks.suite import parse_mix
 
     path = model or settings(None).model_dir

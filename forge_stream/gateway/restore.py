@@ -1,5 +1,6 @@
-"""Sessions rebuilt from their events on Kafka, so that a restarted gateway, or any of several replicas, serves a
-session it does not hold in memory.
+"""The restorer (`SessionRestorer`): a gateway process's sessions, those it holds and those rebuilt from their events
+on Kafka, so that a restarted gateway, or any of several replicas, serves a session it does not hold in memory. It
+decides when to read and fold; the reads are forge_stream.gateway.sessionreads', the fold forge_stream.gateway.fold's.
 
 On a call for a session this process does not hold, the gateway looks its SessionStarted (and SessionFinished)
 up in `SessionDirectory`, an index of forge.sessions read lazily (from `session_lookback_s` ago at the first miss,
@@ -31,280 +32,36 @@ last brought up to date is caught up (or closed, if finished there); otherwise a
 number a session's turns under the session's lock in that ledger (`SessionRestorer.numbering`), so they never
 collide, and run a call sent with an Idempotency-Key one worker at a time (`SessionRestorer.claim`), so it runs once.
 
-The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads.
+The reads are blocking (`forge_stream.kafka.reader.PartitionReader`); `SessionRestorer` runs them in threads and
+answers 503 when Kafka does not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import orjson
 from confluent_kafka import KafkaException
 
-from forge_stream.events import now_ms
-from forge_stream.events.prompts import Lane, MissingReference, message_digest, whole_completions
 from forge_stream.gateway.ledger import LockBusy, WorkerLedger
 from forge_stream.gateway.protocol import GatewayError
 from forge_stream.gateway.responses import StoredResponse, assistant_message, recorded_request
+from forge_stream.gateway.sessionreads import Entry, SessionDirectory, SessionEvents
 from forge_stream.gateway.sessions import Session, SessionStore, unknown
-from forge_stream.kafka.sessionlog import SessionLog
 from forge_stream.gateway.settings import GatewaySettings
-from forge_stream.gateway.spans import SessionKeys, pending_calls
+from forge_stream.gateway.spans import SessionKeys
 from forge_stream.gateway.textspans import METADATA_KEY, load_rule
 from forge_stream.kafka.reader import PartitionReader
-from forge_stream.topics import TOPICS, Topic
+from forge_stream.kafka.sessionlog import SessionLog
+from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Entry:
-    """What forge.sessions says of one session."""
-
-    started: dict
-    start_ms: int
-    finished: dict | None = None
-
-
-class SessionDirectory:
-    """forge.sessions, read lazily into a map of session id to its SessionStarted and SessionFinished. The first
-    lookup reads from `lookback_s` ago; later ones only what was appended since (of the partitions asked for).
-    Finished sessions are kept up to `finished_kept`, and sessions started more than `lookback_s` ago not at all,
-    the oldest forgotten first."""
-
-    def __init__(self, reader: PartitionReader, lookback_s: float, finished_kept: int):
-        self.reader, self.lookback_s, self.finished_kept = reader, lookback_s, finished_kept
-        self._entries: dict[str, Entry] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
-        self._positions: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def find(self, session_id: str, partitions: Iterable[int] | None = None) -> Entry | None:
-        with self._lock:
-            topic = TOPICS.sessions
-            for p in range(self.reader.partitions(topic)) if partitions is None else partitions:
-                high = self.reader.high(topic, p)
-                start = self._positions.get(p)
-                if start is None:
-                    start = self.reader.offset_at(topic, p, now_ms() - int(self.lookback_s * 1000))
-                for _, timestamp, schema, record in self.reader.read(topic, p, start, high):
-                    self._note(schema, record, timestamp)
-                self._positions[p] = max(start, high)
-            cutoff = now_ms() - int(self.lookback_s * 1000)
-            while self._entries:  # sessions left open past the lookback (abandoned) are forgotten, oldest first
-                oldest = next(iter(self._entries))
-                if self._entries[oldest].start_ms >= cutoff:
-                    break
-                del self._entries[oldest]
-                self._finished.pop(oldest, None)
-            return self._entries.get(session_id)
-
-    def _note(self, schema: str, record: dict, timestamp: int) -> None:
-        sid = record["session_id"]
-        if schema == "SessionStarted":
-            self._entries.setdefault(sid, Entry(record, timestamp))
-        elif sid in self._entries and self._entries[sid].finished is None:
-            self._entries[sid].finished = record
-            self._finished[sid] = None
-            while len(self._finished) > self.finished_kept:
-                self._entries.pop(self._finished.popitem(last=False)[0], None)
-
-
-def _is_chat(record: dict) -> bool:
-    """Whether a recorded Completion answered a chat request (its messages_json a list of message objects)."""
-    if record["prompt_ref"] is not None:
-        return True
-    messages = orjson.loads(record["messages_json"])
-    return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
-
-
-def _digests(messages_json: str) -> tuple[bytes, ...]:
-    """The message_digest of each message of a recorded JSON list, as the gateway took them of the request's."""
-    return tuple(message_digest(orjson.dumps(m)) for m in orjson.loads(messages_json))
-
-
-def fold(session: Session, completions: list[dict], spans: list[dict], prompt_refs: bool) -> list[int]:
-    """Set `session`'s counters, lanes, pending tool calls and span ids from its recorded Completions and ToolSpans
-    (each in the order recorded); returns the turn numbers that more than one request recorded (collisions)."""
-    requests: dict[int, set[str]] = defaultdict(set)
-    for record in completions:
-        requests[record["turn"]].add(record["request_id"])
-    session.turns = max(requests) + 1 if requests else 0
-    # one per (request, choice), as the processors count them (a call written twice is one completion)
-    session.completions = len({(r["request_id"], r["choice_index"]) for r in completions})
-    session.requests = {r["request_id"] for r in completions}
-    session.span_ids = {s["span_id"] for s in spans}
-    session.explicit = {s["tool_call_id"] for s in spans if s["source"] == "explicit" and s["tool_call_id"]}
-    answered = {s["tool_call_id"] for s in spans if s["tool_call_id"]}
-    session.pending = {}
-    for record in completions:
-        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
-        for call in pending_calls(calls, issued_ms=record["done_ms"], completion_id=record["completion_id"],
-                                  agent=record["agent"]):
-            if call.tool_call_id not in answered:
-                session.add_pending([call])
-    session.lanes = {}
-    if prompt_refs:  # each lane built from the one it extends: no prompt is rebuilt whole
-        known: dict[str, Lane] = {}
-        request = None
-        for record in completions:
-            if not _is_chat(record):
-                continue
-            if record["request_id"] != request:  # what a request can extend: the lanes held when it was served
-                request, known = record["request_id"], {lane.completion_id: lane for lane in session.lanes.values()}
-            key = (record["agent"], record["choice_index"])
-            try:
-                lane = known[record["completion_id"]] = _lane(record, known)
-            except NotFoldable as exc:  # it extends what was not read: the lane's next prompt is recorded whole
-                log.warning("session %s: lane %s not rebuilt (%s)", session.id, key, exc)
-                session.lanes.pop(key, None)
-                continue
-            if lane.prompt_len:
-                session.lanes[key] = lane
-    return sorted(turn for turn, ids in requests.items() if len(ids) > 1)
-
-
-class NotFoldable(Exception):
-    """What was recorded since a session was last built cannot be added to it: rebuild it from its start."""
-
-
-def fold_more(session: Session, completions: list[dict], spans: list[dict], prompt_refs: bool) -> None:
-    """Add to `session` its Completions and ToolSpans recorded since it was last built (each list in the order
-    recorded, read from where its last build or catch-up ended; those this process recorded, folded already, are
-    among them: known by request id and span id). The result is `fold` of all its records, as long as the others'
-    records come after this process's own in each turn's order; NotFoldable (the session is then left half
-    updated: rebuild it) when they do not: another replica recorded a turn this process also took (a collision),
-    or extended a completion this process no longer holds as a lane."""
-    for span in spans:
-        if span["span_id"] in session.span_ids:
-            continue
-        session.span_ids.add(span["span_id"])
-        if span["source"] == "explicit" and span["tool_call_id"]:
-            session.explicit.add(span["tool_call_id"])
-    answered = {s["tool_call_id"] for s in spans if s["tool_call_id"]}
-    known = {lane.completion_id: lane for lane in session.lanes.values()} if prompt_refs else {}
-    new_requests: set[str] = set()
-    for record in completions:
-        request = record["request_id"]
-        if request in session.requests:
-            continue
-        if request not in new_requests:
-            if record["turn"] < session.turns:
-                raise NotFoldable(f"turn {record['turn']} was recorded by two requests")
-            new_requests.add(request)
-        session.turns = max(session.turns, record["turn"] + 1)
-        session.completions += 1
-        calls = orjson.loads(record["tool_calls_json"]) if record["tool_calls_json"] else None
-        session.add_pending([call for call in pending_calls(calls, issued_ms=record["done_ms"],
-                                                            completion_id=record["completion_id"],
-                                                            agent=record["agent"])
-                             if call.tool_call_id not in answered])
-        if prompt_refs and _is_chat(record):
-            lane = _lane(record, known)
-            known[lane.completion_id] = lane
-            if lane.prompt_len:
-                session.lanes[(record["agent"], record["choice_index"])] = lane
-    session.requests |= new_requests
-    for call_id in answered:
-        session.pending.pop(call_id, None)
-
-
-def _lane(record: dict, known: dict[str, Lane]) -> Lane:
-    """A chat Completion as a lane: its whole prompt ids and message digests, its reference looked up in `known`."""
-    added = _digests(record["messages_json"])
-    if record["prompt_ref"] is None:
-        return Lane(record["completion_id"], record["prompt_token_ids"], record["completion_token_ids"], added)
-    ref = known.get(record["prompt_ref"])
-    if ref is None:
-        raise NotFoldable(f"completion {record['completion_id']} extends {record['prompt_ref']}, not held here")
-    try:
-        return ref.extended(record["completion_id"], record["prompt_ref_tokens"], record["prompt_token_ids"],
-                            record["completion_token_ids"], ref.messages[:record["prompt_ref_messages"]] + added)
-    except ValueError as exc:  # the reference takes more (or fewer) ids than the lane it names has
-        raise NotFoldable(f"completion {record['completion_id']}: {exc}") from exc
-
-
 MAX_OWN_OFFSETS = 512  # per session and topic (about 30 KB): what a catch-up skips undecoded
-
-
-class SessionEvents:
-    """Blocking reads of one session's events, and its state rebuilt from them."""
-
-    def __init__(self, reader: PartitionReader, clock_skew_ms: int):
-        self.reader, self.clock_skew_ms = reader, clock_skew_ms
-        self.records_read = 0  # the sessions' records decoded, by rebuilds and catch-ups
-        self.records_scanned = 0  # and the records they went through (their partitions' offsets) to find those
-
-    def _records(self, topic: Topic, session: Session, start: int | None,
-                 own: bool = True) -> tuple[list[dict], int]:
-        """The session's records on `topic` from offset `start` (None: from its start time), and the end read to;
-        without those this process wrote since it last read them (`Session.own_offsets`) unless `own`."""
-        group = session.keys.group_id
-        p = self.reader.partition_of(topic, group)
-        end = self.reader.high(topic, p)
-        if start is None:
-            start = self.reader.offset_at(topic, p, session.start_ms - self.clock_skew_ms)
-        skip = () if own else session.own_offsets.get(topic.name, ())
-        records = [r for _, _, _, r in self.reader.read(topic, p, start, end, key=group, session_id=session.id,
-                                                         skip=skip)]
-        self.records_read += len(records)
-        self.records_scanned += max(end - start, 0)
-        return records, end
-
-    @staticmethod
-    def _read_to(session: Session, topic: Topic, end: int) -> None:
-        """`session`'s records on `topic` before `end` are folded: forget the offsets of its own ones there."""
-        own = session.own_offsets.get(topic.name)
-        if own:
-            own.difference_update([offset for offset in own if offset < end])
-
-    def load(self, session: Session, prompt_refs: bool) -> list[int]:
-        """Rebuild `session` (keys and start time set) from its events; returns the collided turn numbers."""
-        spans, session.spans_seen = self._records(TOPICS.tool_spans, session, None)
-        completions, session.seen = self._records(TOPICS.completions, session, None)
-        self._read_to(session, TOPICS.tool_spans, session.spans_seen)
-        self._read_to(session, TOPICS.completions, session.seen)
-        return fold(session, completions, spans, prompt_refs)
-
-    def catch_up(self, session: Session, prompt_refs: bool) -> list[int]:
-        """Bring a held `session` up to date: fold in what was recorded since it was last built or caught up (read
-        from there, not from its start), or rebuild it when that cannot be folded in (`fold_more`) or it was never
-        built here; returns the collided turn numbers."""
-        if (session.seen is None or session.spans_seen is None) and not session.opened_here:
-            return self.load(session, prompt_refs)  # (opened here, it holds what it recorded: read from its start)
-        spans, spans_end = self._records(TOPICS.tool_spans, session, session.spans_seen, own=False)
-        completions, end = self._records(TOPICS.completions, session, session.seen, own=False)
-        try:
-            fold_more(session, completions, spans, prompt_refs)
-        except NotFoldable as exc:
-            log.info("session %s: rebuilt from its start (%s)", session.id, exc)
-            return self.load(session, prompt_refs)
-        session.seen, session.spans_seen = end, spans_end
-        self._read_to(session, TOPICS.tool_spans, spans_end)
-        self._read_to(session, TOPICS.completions, end)
-        return []
-
-    def answered(self, session: Session, request_id: str) -> list[dict]:
-        """The session's Completions recorded for `request_id` (one per choice, in choice order; the last write of
-        each)."""
-        completions, _ = self._records(TOPICS.completions, session, None)
-        choices = {r["choice_index"]: r for r in completions if r["request_id"] == request_id}
-        return [choices[c] for c in sorted(choices)]
-
-    def chat_completion(self, session: Session, request_id: str) -> dict | None:
-        """The session's chat completion (choice 0) recorded for `request_id`, its prompt rebuilt whole."""
-        completions, _ = self._records(TOPICS.completions, session, None)
-        try:
-            rebuilt = whole_completions([r for r in completions if _is_chat(r)])
-        except MissingReference:
-            return None
-        return next((r for r in rebuilt if r["request_id"] == request_id and r["choice_index"] == 0), None)
 
 
 class SessionRestorer:

@@ -2,7 +2,7 @@
 
 `PartitionReader` reads one partition's records between two offsets (or from a timestamp), through a small pool of
 consumers so that concurrent reads do not wait on each other: what a gateway replica reads to rebuild a session
-(forge_stream.gateway.restore). `Tail` reads what is appended to a topic from the moment it is made (the benchmarks
+(forge_stream.gateway.sessionreads). `Tail` reads what is appended to a topic from the moment it is made (the benchmarks
 time records by it). Slices of history for replays are `forge_stream.kafka.history`'s.
 """
 

@@ -38,13 +38,13 @@ from forge_stream.rollout.agents import Agent
 from forge_stream.rollout.client import GatewayCallError, GatewayClient, RetryPolicy
 from forge_stream.rollout.episode import SessionOutcome, Slots, run_episode
 from forge_stream.rollout.recovery import CONTROLLER_KEY, published_tasks, unfinished_sessions
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
 RESTARTED = "rollout controller restarted"
 
-__all__ = ["ProgressLog", "RolloutController", "RolloutSettings", "SequenceClock", "SessionOutcome", "TaskSpec"]
+__all__ = ["ProgressLog", "RolloutController", "RolloutSettings", "SequenceClock", "SessionOutcome"]
 
 
 @dataclass(frozen=True)

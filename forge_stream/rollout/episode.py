@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from forge_stream.rollout.agents import Agent, AgentContext, AgentResult
 from forge_stream.rollout.client import GatewayCallError, GatewayClient
 from forge_stream.rollout.graders import resolve
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.rollout.agents import Agent
 from forge_stream.rollout.client import GatewayClient, RetryPolicy
 from forge_stream.rollout.episode import SessionOutcome, Slots, run_episode
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 from forge_stream.topics import TOPICS
 
 Z95 = 1.959963984540054

@@ -60,7 +60,7 @@ import random
 import re
 from typing import Callable, Iterator
 
-from forge_stream.rollout.controller import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 
 SYSTEM = "Answer with numbers only. Use a tool when useful."
 TOOLS = [

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from forge_stream.bench import cpu, learning, learning_result
 from forge_stream.bench.intervals import tasks_for_half_width
+from forge_stream.bench.learning_settings import LearningSettings
 from forge_stream.cli import app
 from forge_stream.rollout.sources import load_task_source
 from forge_stream.tasks.suite import make_tasks, parse_mix, task_kind, template_key
@@ -91,7 +92,7 @@ def test_allow_outside_band_runs_every_seed_and_summarizes(monkeypatch, tmp_path
 def test_by_kind_counts_the_footholds_rl_won_and_lost():
     """Three kinds start with a foothold (about 0.3): RL takes one to 1.0, loses one to 0.0 and leaves one at about
     0.5; the rest start and end at 0 and are no footholds."""
-    s = learning.LearningSettings()
+    s = LearningSettings()
     ids = [t.task_id for t in itertools.islice(load_task_source(s.test_source), s.test_tasks)]
     kind = {t.task_id: task_kind(t.domain, t.graded) for t in itertools.islice(load_task_source(s.test_source), 600)}
     members: dict[str, list[str]] = {}
@@ -145,8 +146,8 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     assert {t.domain for t in tasks} == {"times", "copy"} and {t.prompt["temperature"] for t in tasks} == {0.7}
     assert (s.lr, s.updates_per_batch, s.engine_load_interval) == (1e-5, 1, 30.0)
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
-    assert learning.LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
-    assert learning.LearningSettings(temperature=0.5).test_source == "suite:test?temperature=0.5"
+    assert LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
+    assert LearningSettings(temperature=0.5).test_source == "suite:test?temperature=0.5"
     result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--engine", "torch",
                                       "--home", str(tmp_path / "h2"), "--json"])
     assert result.exit_code == 0, result.output
@@ -156,7 +157,7 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
 def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
     """SFT demonstrates the first `sft_examples` tasks of the seed's training stream (same seed and mix); RL's
     stream is that stream from the next task on, so none of its tasks is one the warm start memorized."""
-    s = learning.LearningSettings(sft_examples=50)
+    s = LearningSettings(sft_examples=50)
     for seed in (0, 3):
         shown = make_tasks("train", s.sft_examples, seed=seed, mix=parse_mix(s.mix))
         unskipped = list(itertools.islice(load_task_source(f"suite:train?seed={seed}&mix={s.mix}"), 60))
@@ -164,7 +165,7 @@ def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
         trained = list(itertools.islice(load_task_source(s.training_source(seed)), 10))
         assert [t.task_id for t in trained] == [t.task_id for t in unskipped[50:60]]
         assert not {t.task_id for t in trained} & {t.task_id for t in shown}
-    pretrained = learning.LearningSettings(model="SmolLM2-135M-Instruct", mix="mental=1")
+    pretrained = LearningSettings(model="SmolLM2-135M-Instruct", mix="mental=1")
     assert "skip" not in pretrained.training_source(0)  # no warm start, nothing to skip
     with pytest.raises(ValueError, match="skip must be 0 or more"):
         next(iter(load_task_source("suite:train?skip=-1")))
@@ -202,8 +203,8 @@ def test_evaluations_on_different_tasks_are_no_pair():
 
 
 def test_default_test_tasks_give_plus_minus_0_04():
-    assert tasks_for_half_width(0.04) <= learning.LearningSettings.test_tasks + 1
-    assert tasks_for_half_width(0.035) > learning.LearningSettings.test_tasks  # not far more than needed
+    assert tasks_for_half_width(0.04) <= LearningSettings.test_tasks + 1
+    assert tasks_for_half_width(0.035) > LearningSettings.test_tasks  # not far more than needed
 
 
 def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp_path):
@@ -212,16 +213,16 @@ def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp
     from forge_stream.deploy import controller_service
     from forge_stream.settings import ForgeSettings
 
-    assert learning.LearningSettings(eval_split="validation").test_source == "suite:validation"
-    assert learning.LearningSettings(eval_split="validation", model="m", mix="mental=1").test_source == \
+    assert LearningSettings(eval_split="validation").test_source == "suite:validation"
+    assert LearningSettings(eval_split="validation", model="m", mix="mental=1").test_source == \
         "suite:validation?mix=mental=1"
     with pytest.raises(ValueError, match="test or validation"):
-        learning.LearningSettings(eval_split="train")
+        LearningSettings(eval_split="train")
     argv = controller_service(ForgeSettings(home=tmp_path), {"agent": "a", "replay_edge": 0.5}).argv
     assert argv[argv.index("--replay-edge") + 1] == "0.5"
     assert "--replay-edge" not in controller_service(ForgeSettings(home=tmp_path), {"agent": "a"}).argv
-    assert learning.rules(learning.LearningSettings(partial_credit=0.5)) == [f"{learning.PARTIAL_CREDIT_RULE}=0.5"]
-    assert learning.rules(learning.LearningSettings()) == []
+    assert learning.rules(LearningSettings(partial_credit=0.5)) == [f"{learning.PARTIAL_CREDIT_RULE}=0.5"]
+    assert learning.rules(LearningSettings()) == []
     for bad, says in ((["--eval-split", "train"], "--eval-split takes test or validation"),
                       (["--replay-edge", "1"], "--replay-edge is a share"),
                       (["--hidden-size", "100"], "--hidden-size: the hidden size is a multiple of 64")):

@@ -13,7 +13,7 @@ import pytest
 from helpers import serving
 
 from forge_stream.gateway.app import create_app
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.schema_registry import create_app as create_registry
 

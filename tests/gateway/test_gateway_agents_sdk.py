@@ -10,7 +10,7 @@ from agents import Agent, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
 from openai import AsyncOpenAI
 
-from forge_stream.gateway.scripted import EOS, encode, render
+from forge_stream.bench.scripted import EOS, encode, render
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from forge_stream.gateway.scripted import EOS, encode
+from forge_stream.bench.scripted import EOS, encode
 from forge_stream.gateway.spans import span_id
 
 from gateway_support import open_session, read_recorded

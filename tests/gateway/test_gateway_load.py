@@ -11,7 +11,7 @@ import httpx
 from openai import OpenAI
 
 from forge_stream.bench.load import LoadSettings, run
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session

@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from forge_stream.gateway.scripted import EOS, encode, logprob, render
+from forge_stream.bench.scripted import EOS, encode, logprob, render
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS

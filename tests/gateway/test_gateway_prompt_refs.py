@@ -10,7 +10,7 @@ import pytest
 from forge_stream.events import encode
 from forge_stream.events.prompts import Lane
 from forge_stream.gateway import recording
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 

@@ -3,7 +3,7 @@
 import httpx
 import orjson
 
-from forge_stream.gateway.scripted import EOS, decode, encode, logprob, render
+from forge_stream.bench.scripted import EOS, decode, encode, logprob, render
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
@@ -140,7 +140,7 @@ def test_completions_endpoint_records_each_prompt_of_a_batch(kafka_bootstrap, ga
 
 def test_engine_without_token_ids_is_served_and_recorded_untrainable(kafka_bootstrap, make_gateway, run_id):
     from helpers import serving
-    from forge_stream.gateway.scripted import ScriptedEngine
+    from forge_stream.bench.scripted import ScriptedEngine
 
     with serving(ScriptedEngine(token_ids=False)) as engine, make_gateway(engines=(engine,)) as gateway:
         session = open_session(gateway, run_id)

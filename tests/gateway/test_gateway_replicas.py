@@ -22,10 +22,10 @@ from openai import OpenAI
 from forge_stream.events.prompts import Lane, message_digest, whole_completions
 from forge_stream.gateway import recording, restore
 from forge_stream.gateway.ledger import WorkerLedger
-from forge_stream.gateway.restore import fold, fold_more
+from forge_stream.gateway.fold import fold, fold_more
 from forge_stream.gateway.sessions import Session
 from forge_stream.gateway.spans import SessionKeys
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import read_completions
 from forge_stream.proc import running

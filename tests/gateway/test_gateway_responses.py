@@ -7,7 +7,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from forge_stream.gateway.scripted import EOS, decode, encode, logprob, render
+from forge_stream.bench.scripted import EOS, decode, encode, logprob, render
 from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 

@@ -9,8 +9,9 @@ import orjson
 
 from forge_stream.events import now_ms
 from forge_stream.events.prompts import Lane, by_reference, message_digest
+from forge_stream.gateway.fold import fold
 from forge_stream.gateway.recording import ChoiceRecord, RequestContext, chat_messages_json, completion_record
-from forge_stream.gateway.restore import SessionDirectory, fold
+from forge_stream.gateway.sessionreads import SessionDirectory
 from forge_stream.gateway.sessions import SessionStore
 from forge_stream.gateway.spans import SessionKeys
 

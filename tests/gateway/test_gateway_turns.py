@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from forge_stream.gateway.ledger import WorkerLedger
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings

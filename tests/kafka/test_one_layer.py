@@ -22,7 +22,7 @@ CLIENT_MODULES = ("confluent_kafka", "aiokafka", "kafka")
 CLIENTS = {"Consumer", "Producer", "AdminClient", "DeserializingConsumer", "SerializingProducer",
            "AIOKafkaConsumer", "AIOKafkaProducer", "AIOKafkaAdminClient", "KafkaConsumer", "KafkaProducer"}
 # package modules that may hold a fake, and why
-FAKES_ALLOWED = {"forge_stream/gateway/scripted.py": "the scripted engine the benchmarks (and tests) run"}
+FAKES_ALLOWED = {"forge_stream/bench/scripted.py": "the scripted engine the benchmarks (and tests) run"}
 FAKE_NAME = re.compile(r"(^|_)(fake|stub|dummy|mock)", re.IGNORECASE)
 
 
@@ -91,7 +91,7 @@ def test_each_rule_finds_what_breaks_it(path, source, rule):
     ("forge_stream/kafka/x.py", "from confluent_kafka import Consumer\nc.commit(offsets=o, asynchronous=False)"),
     ("connectors/x.py", "self.consumer.commit()"),
     ("forge_stream/proc.py", "subprocess.Popen(argv)"),
-    ("forge_stream/gateway/scripted.py", "def fake_usage():\n    pass"),
+    ("forge_stream/bench/scripted.py", "def fake_usage():\n    pass"),
 ])
 def test_what_the_rules_allow(path, source):
     assert problems(path, source) == []

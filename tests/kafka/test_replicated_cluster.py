@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from forge_stream.gateway.app import create_app
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.admin import TopicMismatch, check_topics, create_topics
 from forge_stream.kafka.broker import LocalCluster

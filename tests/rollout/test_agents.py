@@ -16,7 +16,7 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.rollout.client import RetryPolicy
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
 from forge_stream.rollout.pool import PooledCommandAgent
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 from forge_stream.topics import TOPICS
 
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"

@@ -10,7 +10,7 @@ from forge_stream.kafka.producer import EventProducer
 from forge_stream.rollout.agents import AgentResult
 from forge_stream.rollout.client import GatewayCallError, GatewayClient, RetryPolicy
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 from forge_stream.topics import TOPICS
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.01)

@@ -10,7 +10,7 @@ import pytest
 from forge_stream.rollout.agents import AgentResult, CommandAgent
 from forge_stream.rollout.controller import RolloutController, RolloutSettings
 from forge_stream.rollout.episode import run_episode
-from forge_stream.rollout.sources import TaskSpec
+from forge_stream.tasks.spec import TaskSpec
 from forge_stream.tasks.suite import DOMAINS, make_tasks, to_jsonl
 
 

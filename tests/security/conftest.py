@@ -11,7 +11,7 @@ from helpers import serving
 from security_support import ADMIN
 
 from forge_stream.gateway.app import create_app
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.gateway.settings import GatewaySettings
 
 

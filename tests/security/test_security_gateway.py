@@ -14,7 +14,7 @@ from helpers import serving
 from security_support import ADMIN, as_admin, bearer, open_session
 
 from forge_stream.gateway.app import create_app
-from forge_stream.gateway.scripted import ScriptedEngine
+from forge_stream.bench.scripted import ScriptedEngine
 from forge_stream.gateway.sessions import session_token
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.producer import EventProducer

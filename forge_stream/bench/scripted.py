@@ -13,7 +13,7 @@ behaves as an engine that cannot return ids. With `delay_s` each completion take
 decoding time, for load tests). `served` counts the completions it was asked for.
 
 It is a raw ASGI app (no framework) so that its own cost stays far below the gateway's in the benchmark.
-Run: python -m forge_stream.gateway.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
+Run: python -m forge_stream.bench.scripted --port P [--reply TEXT ...] [--no-token-ids] [--delay-ms MS]
 """
 
 from __future__ import annotations
