@@ -37,7 +37,7 @@ def test_register_adds_a_version_and_keeps_the_old_one_readable(schemas):
     schema["fields"].append({"name": "extra", "type": "string", "default": ""})
     path.write_text(json.dumps(schema))
     changes = register(schemas)
-    assert changes == ["forge.events.Reward v2 -> id 30 (reward.avsc)"]
+    assert changes == ["forge.events.Reward v2 -> id 31 (reward.avsc)"]
     registry = load_registry(schemas)
     versions = registry.versions["forge.events.Reward"]
-    assert [(v.version, v.id, v.file) for v in versions] == [(1, 6, "history/reward.v1.avsc"), (2, 30, "reward.avsc")]
+    assert [(v.version, v.id, v.file) for v in versions] == [(1, 6, "history/reward.v1.avsc"), (2, 31, "reward.avsc")]
