@@ -29,8 +29,10 @@ GREEDY_BELOW = 1e-5
 def recorded_settings(temperature: float, top_p: float, logprobs_mode: str) -> tuple[float, float]:
     """The (temperature, top_p) of the distribution whose log-probs an engine recorded for a completion.
 
-    >>> recorded_settings(0.7, 0.9, "processed"), recorded_settings(0.7, 0.9, "raw"), recorded_settings(0, 0.9, "processed")
-    ((0.7, 0.9), (1.0, 1.0), (1.0, 1.0))
+    >>> recorded_settings(0.7, 0.9, "processed"), recorded_settings(0.7, 0.9, "raw")
+    ((0.7, 0.9), (1.0, 1.0))
+    >>> recorded_settings(0.0, 0.9, "processed")
+    (1.0, 1.0)
     """
     if logprobs_mode != "processed" or temperature < GREEDY_BELOW:
         return 1.0, 1.0
