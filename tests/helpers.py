@@ -1,4 +1,6 @@
-"""Helpers shared by test suites: serve an ASGI app on a real port, read back what landed on a topic, run the CLI."""
+"""Helpers shared by test suites: serve an ASGI app on a real port, read back what landed on a topic, run the CLI,
+fold what a gateway recorded for a group into its TrainSample, and compare the trainer's log-probs with the recorded
+ones."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import uvicorn
 
+from forge_stream.events import decode, deterministic_id, encode
 from forge_stream.gateway.wire import CoalescingHttpToolsProtocol
 from forge_stream.kafka.broker import free_port
-from forge_stream.kafka.history import Slice, read_slice
-from forge_stream.topics import Topic
+from forge_stream.kafka.history import Slice, read_completions, read_slice
+from forge_stream.processors import ProcessorSettings, fold
+from forge_stream.topics import TOPICS, Topic
+from forge_stream.trainer.step import StepConfig, accumulate_gradients, sample_tree
+from forge_stream.tree import sequence_logprobs
 
 
 @contextmanager
@@ -84,3 +91,40 @@ def adapter_version(base: Path, out: Path, seed: int, rank: int = 4, scale: floa
                 p.normal_(0, scale)
     model.save_pretrained(out)
     return out
+
+
+def group_events(bootstrap: str, group_id: str, group_size: int) -> list[tuple[str, dict]]:
+    """A group's events as the processors read them (prompts whole), after a Task for its `group_size` sessions."""
+    task = {"event_id": deterministic_id("task", group_id), "event_time": 0, "group_id": group_id, "task_id": "sum",
+            "seq": 0, "domain": "math", "grader": "exact_match", "group_size": group_size, "prompt_json": "{}",
+            "metadata": {}}
+    events = [("Task", task)]
+    for topic in (TOPICS.sessions, TOPICS.tool_spans, TOPICS.rewards):
+        events += [(e.schema, e.record) for e in read_slice(bootstrap, topic, Slice())
+                   if e.record.get("group_id") == group_id]
+    events += [("Completion", r) for r in read_completions(bootstrap, keep=lambda r: r["group_id"] == group_id)]
+    return sorted(events, key=lambda e: e[1]["event_time"])
+
+
+def folded_train_sample(bootstrap: str, group_id: str, group_size: int) -> dict:
+    """The group's TrainSample, folded by the processors from what the gateway recorded, as the trainer reads it
+    from forge.samples (through its Avro schema)."""
+    state, samples = None, []
+    for schema, record in group_events(bootstrap, group_id, group_size):
+        state, out = fold(state, schema, record, ProcessorSettings(group_timeout_ms=60_000))
+        samples += [e.record for e in out if e.schema == "TrainSample"]
+    assert len(samples) == 1, samples
+    return decode(encode("TrainSample", samples[0]))[1]
+
+
+def trainer_gaps(model: torch.nn.Module, sample: dict) -> tuple[dict, float]:
+    """The trainer step's stats of a TrainSample (mismatch_max: max |trainer - recorded| log-prob over its
+    completion tokens, each scored at its sequence's sampling settings; ratio_max), and the same max gap were
+    every token scored at temperature 1, as the trainer once did. The gradients it adds to `model` are cleared."""
+    stats = accumulate_gradients(model, [sample], StepConfig())
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        scored = sequence_logprobs(model, sample_tree(sample))
+    at_one = max(float((lp[ref["prompt_len"] - 1:] - torch.tensor(ref["old_logprobs"])).abs().max())
+                 for lp, ref in zip(scored, sample["sequences"]))
+    return stats, at_one

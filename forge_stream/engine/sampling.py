@@ -2,8 +2,9 @@
 
 Decision: the reported logprobs are those of the distribution actually sampled from (`logprobs_mode=
 "processed"`, the default): the log-softmax after temperature and top-p, like vLLM's `--logprobs-mode
-processed_logprobs`. They are the behaviour policy's probabilities, so the trainer's ratio pi_theta / pi_old
-is the exact importance weight for both policy staleness and the sampling settings (see
+processed_logprobs`, computed by the function the trainer scores tokens with (forge_stream.sampled_policy, vLLM's
+top-p rule). They are the behaviour policy's probabilities, and the trainer scores each token at the same
+settings, so at the serving weights pi_theta / pi_old is 1 and it measures staleness alone (see
 forge_stream.trainer.losses). `logprobs_mode="raw"` reports the log-softmax of the model's raw logits
 (temperature 1, no top-p), vLLM's default `raw_logprobs`. Greedy decoding (temperature 0) reports raw
 logprobs in both modes.
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from forge_stream.sampled_policy import processed_logits
 
 LogprobsMode = Literal["raw", "processed"]
 # A positive temperature below this is refused: float32 logits divided by it overflow to inf, and softmax gives
@@ -55,18 +58,6 @@ def make_generator(seed: int | None, choice_index: int) -> torch.Generator:
     return gen
 
 
-def _top_p_filter(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches top_p (always at least the most likely one,
-    however small top_p is)."""
-    sorted_logits, order = torch.sort(scaled, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop = mass_before >= top_p
-    drop[..., 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-
-
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            mode: LogprobsMode = "processed") -> Choice:
     """Pick the next token from one row of float32 logits and report its logprob (see module docstring)."""
@@ -75,12 +66,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         token = int(torch.argmax(logits))
         reported = raw
     else:
-        scaled = logits / params.temperature
-        if params.top_p < 1.0:
-            scaled = _top_p_filter(scaled, params.top_p)
-        probs = torch.softmax(scaled, dim=-1)
+        scaled = processed_logits(logits[None], params.temperature, params.top_p)
+        probs = torch.softmax(scaled[0], dim=-1)
         token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-        reported = raw if mode == "raw" else torch.log_softmax(scaled, dim=-1)
+        reported = raw if mode == "raw" else torch.log_softmax(scaled, dim=-1)[0]
     top: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs > 0:
         values, ids = torch.topk(reported, min(params.top_logprobs, reported.numel()))

@@ -5,7 +5,8 @@ token) of each rollout is one sequence, prompt_token_ids + completion_token_ids,
 completion_id) order, so the rows are the same whatever order the events arrived in. A turn of a prefix that
 several rollouts share is one sequence per rollout (the trie stores its tokens once), so a step trains exactly
 what training each rollout on its own would. Each sequence names its rollout and carries the rollout's
-outcome reward and the completion's sampling temperature and logprobs mode. Per row:
+outcome reward and the completion's sampling temperature, top_p and logprobs mode (what the trainer scores its tokens
+at). Per row:
 - row_loss_mask: the row is a completion token (at or past prompt_len on its path) of at least one sequence;
 - row_old_logprob: that token's rollout log-prob, from the first sequence (in sequence order) that trains it;
 - row_advantage: the sum of the advantages of the sequences that train the row.
@@ -47,7 +48,7 @@ def build_sample(rollouts: list[Rollout], header: dict) -> dict | None:
             "last_row": last, "length": int(path.numel()), "prompt_len": prompt_len,
             "old_logprobs": list(comp["completion_logprobs"]), "advantage": turn.advantage,
             "reward": turn.reward, "policy_version": comp["policy_version"], "rollout": rollout.rollout_id,
-            "outcome_reward": rollout.outcome, "temperature": comp["temperature"],
+            "outcome_reward": rollout.outcome, "temperature": comp["temperature"], "top_p": comp["top_p"],
             "logprobs_mode": comp["logprobs_mode"],
         })
     versions = [t.completion["policy_version"] for t in turns]

@@ -19,13 +19,14 @@ PPO (0.2, 0.2).
 
 What `old` is. The engines record the log-probs of the distribution they actually sampled from (after
 temperature and top-p: "processed" logprobs, forge_stream.engine.sampling; vLLM `--logprobs-mode
-processed_logprobs`), and the gateway stamps that mode on every Completion. So pi_old is the behaviour policy,
-and r = pi_theta / pi_old is the exact importance weight for both sources of mismatch at once: staleness
-(weights older than the trainer's) and sampling settings (a temperature other than 1, top-p). The trainer
-evaluates pi_theta at temperature 1 (the policy being optimised), so CISPO's clip at 1 + eps_high is truncated
-importance sampling of the behaviour distribution (as in verl and slime), and its gradient stays unbiased up to
-the truncation. Every call also reports how far apart the two are: mean and max |logp - old| over its tokens,
-the ratio's mean and max and the share of tokens at a clip bound.
+processed_logprobs`), and the gateway stamps that mode, the temperature and top_p on every Completion. So pi_old
+is the behaviour policy. The trainer evaluates pi_theta at the same sampling settings (logits / temperature, the
+top-p nucleus renormalised: forge_stream.sampled_policy, as verl, slime and prime-rl divide by the temperature), so
+the policy optimised is the policy sampled: at the serving weights r = pi_theta / pi_old is 1 at any temperature,
+and it measures staleness (weights older than the trainer's) and the engine's numerics alone. CISPO's clip at
+1 + eps_high is truncated importance sampling of the behaviour distribution, and its gradient stays unbiased up
+to the truncation. Every call also reports how far apart the two are: mean and max |logp - old| over its
+tokens, the ratio's mean and max and the share of tokens at a clip bound.
 """
 
 from __future__ import annotations

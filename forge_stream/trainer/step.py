@@ -5,7 +5,9 @@ Each TrainSample is one group's prefix tree. A group larger than `token_budget` 
 of its sequences whose tries fit (`split_sequences`; a longer path runs whole, with every turn it contains);
 `micro_batches` takes consecutive trees (or parts) up to the budget; their sequences are re-packed into one trie,
 so what groups share (system prompt, tool definitions) is computed once, and it runs through the model once, the LM head on the completion rows only
-(`path_logprobs`). Each sequence's completion log-probs meet its recorded rollout log-probs and advantage in the
+(`path_logprobs`), each token scored at the temperature and top_p its recorded log-prob was taken at (the
+sequence's `temperature`, `top_p` and `logprobs_mode`, forge_stream.sampled_policy), so at the serving weights the
+two agree. Each sequence's completion log-probs meet its recorded rollout log-probs and advantage in the
 loss. The loss is normalised by the completion tokens of the whole step, so micro-batching and splitting leave
 the gradient unchanged, and so does data parallelism: under torch.distributed (`train_step(..., ranks=...)`,
 forge_stream.trainer.distributed) each rank trains its share of the trees with the whole batch's normalizer and
@@ -34,6 +36,7 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 
+from forge_stream.sampled_policy import recorded_settings
 from forge_stream.trainer.losses import DUAL_CLIP, LOSS_CLIP, Clip, cispo_loss, ppo_clip_loss
 from forge_stream.tree import PackedTree, from_arrays, pack, repack, sequence_logprobs, subtree
 from forge_stream.tree.logprobs import path_logprobs
@@ -222,6 +225,16 @@ class Ranks(Protocol):
         """True on every rank iff `ok` is true on every rank."""
 
 
+def sampling_settings(refs: Sequence[dict], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion token of the sequences (`lengths` tokens each), the temperature and top_p its recorded
+    log-prob was computed at (`recorded_settings`: processed log-probs at the sampling settings, raw or greedy
+    ones at temperature 1)."""
+    settings = [recorded_settings(ref["temperature"], ref["top_p"], ref["logprobs_mode"]) for ref in refs]
+    counts = torch.tensor(lengths)
+    return (torch.tensor([t for t, _ in settings], dtype=torch.float64).repeat_interleave(counts),
+            torch.tensor([p for _, p in settings], dtype=torch.float64).repeat_interleave(counts))
+
+
 def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config: StepConfig,
                          loss_tokens: int | None = None, pad_to: int = 0,
                          progress: Callable[[str], None] | None = None) -> dict:
@@ -242,10 +255,12 @@ def accumulate_gradients(model: torch.nn.Module, samples: Sequence[dict], config
     outs = []
     started, rows_total, rows_done = time.perf_counter(), sum(f.num_rows for f, _ in batches), 0
     for index, (forest, batch_refs) in enumerate(batches, 1):
-        # Only the completion tokens' rows go through the LM head, each once, indexed once into the sequences.
+        # Only the completion tokens' rows go through the LM head, each once per sampling setting, indexed once
+        # into the sequences; each scored at the temperature and top_p its recorded log-probs were taken at.
         rows = [path[ref["prompt_len"]:] for path, ref in zip(forest.paths, batch_refs)]
+        temperature, top_p = sampling_settings(batch_refs, [len(r) for r in rows])
         lp = path_logprobs(model, forest, torch.cat(rows), chunk_rows=config.chunk_rows,
-                           checkpoint_layers=config.checkpoint_layers)
+                           checkpoint_layers=config.checkpoint_layers, temperature=temperature, top_p=top_p)
         out = loss_fn(
             lp.split([len(r) for r in rows]),
             [ref["old_logprobs"] for ref in batch_refs],

@@ -6,7 +6,9 @@ every non-root row, and returns, for each sequence, lp along its path without it
 exactly what N separate forward passes would give. `path_logprobs(model, packed, rows)` scores only the given
 rows (a trainer's completion tokens): the LM head runs on those rows alone, in checkpointed chunks, so the
 U x vocab logits never exist at once, in forward or backward. A branch row feeds several children; autograd
-sums their gradients.
+sums their gradients. Given each row's sampling temperature and top_p, `path_logprobs` scores a token under the
+distribution it was sampled from (forge_stream.sampled_policy.processed_logprobs: logits / temperature, then the
+top-p nucleus renormalised); without them, and everywhere else here, at temperature 1.
 
 Supported: decoder-only models whose causal-LM forward is `lm_head(base_model(...).last_hidden_state)`
 (Llama, Qwen2, Mistral and their relatives), RoPE with any GQA ratio. The model is not modified: its
@@ -22,6 +24,7 @@ from typing import Iterator, Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from forge_stream.sampled_policy import processed_logprobs
 from forge_stream.tree import attention
 from forge_stream.tree.pack import PackedTree
 
@@ -55,19 +58,28 @@ def path_logprobs(
     chunk_rows: int = 256,
     head_rows: int = 1024,
     checkpoint_layers: bool = False,
+    temperature: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(len(rows),) log-prob of the token of each given non-root row given its path prefix; rows may repeat.
 
-    The LM head runs on the distinct rows only (a trainer asks for the completion rows, not the prompt's),
-    and their values are indexed once into the result, so no per-sequence copy of anything U-sized is made.
-    `checkpoint_layers`: see `tree_hidden_states`.
+    `temperature`, `top_p`: (len(rows),) the sampling settings to score each entry at (default 1: the model's
+    own distribution). The LM head runs on the distinct (row, settings) pairs only (a trainer asks for the
+    completion rows, not the prompt's), and their values are indexed once into the result, so no per-sequence
+    copy of anything U-sized is made. `checkpoint_layers`: see `tree_hidden_states`.
     """
-    unique, inverse = torch.unique(rows, return_inverse=True)
+    ones = torch.ones(len(rows), dtype=torch.float64)
+    settings = torch.stack([ones if temperature is None else torch.as_tensor(temperature, dtype=torch.float64),
+                            ones if top_p is None else torch.as_tensor(top_p, dtype=torch.float64)], dim=1)
+    distinct, setting = torch.unique(settings, dim=0, return_inverse=True)
+    keys, inverse = torch.unique(rows * len(distinct) + setting, return_inverse=True)
+    unique, chosen = keys // len(distinct), distinct[keys % len(distinct)]
     if bool((packed.parent_row[unique] < 0).any()):
         raise ValueError("a root row has no prefix to score its token with")
     hidden = tree_hidden_states(model, packed, backend=backend, chunk_rows=chunk_rows,
                                 checkpoint_layers=checkpoint_layers)
-    return _head_logprobs_at(model, packed, hidden, unique, head_rows)[inverse.to(hidden.device)]
+    lp = _head_logprobs_at(model, packed, hidden, unique, head_rows, chosen[:, 0], chosen[:, 1])
+    return lp[inverse.to(hidden.device)]
 
 
 def row_logprobs(
@@ -81,15 +93,18 @@ def row_logprobs(
     """(U,) log-prob of each row's token given its path prefix; 0 at root rows (which have no prefix)."""
     hidden = tree_hidden_states(model, packed, backend=backend, chunk_rows=chunk_rows)
     children = torch.nonzero(packed.parent_row >= 0).flatten()
-    lp = _head_logprobs_at(model, packed, hidden, children, head_rows)
+    ones = torch.ones(len(children), dtype=torch.float64)
+    lp = _head_logprobs_at(model, packed, hidden, children, head_rows, ones, ones)
     return lp.new_zeros(packed.num_rows).index_put((children.to(hidden.device),), lp)
 
 
 def _head_logprobs_at(
-    model: torch.nn.Module, packed: PackedTree, hidden: torch.Tensor, rows: torch.Tensor, head_rows: int
+    model: torch.nn.Module, packed: PackedTree, hidden: torch.Tensor, rows: torch.Tensor, head_rows: int,
+    temperature: torch.Tensor, top_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Log-probs of the tokens of `rows` (non-root) from their parents' hidden states, `head_rows` rows at a time
-    through a checkpointed LM head, so at most head_rows x vocab logits exist, in forward and in backward."""
+    """Log-probs of the tokens of `rows` (non-root) from their parents' hidden states at each row's temperature
+    and top_p, `head_rows` rows at a time through a checkpointed LM head, so at most head_rows x vocab logits
+    exist, in forward and in backward."""
     head = model.get_output_embeddings()
     device = hidden.device
     parents = packed.parent_row[rows].to(device)
@@ -97,22 +112,24 @@ def _head_logprobs_at(
     # One gather for all parent rows, then split (whose backward is a single concatenation), so no chunk
     # creates a U-sized gradient of its own.
     parent_hidden = hidden[parents].split(head_rows)
+    chunks = zip(parent_hidden, targets.split(head_rows), temperature.to(device).split(head_rows),
+                 top_p.to(device).split(head_rows))
     pieces = []
-    for h, t in zip(parent_hidden, targets.split(head_rows)):
+    for h, t, temp, p in chunks:
         if h.requires_grad:
-            pieces.append(checkpoint(_head_logprobs, head, h, t, use_reentrant=False))
+            pieces.append(checkpoint(_head_logprobs, head, h, t, temp, p, use_reentrant=False))
         else:
-            pieces.append(_head_logprobs(head, h, t))
+            pieces.append(_head_logprobs(head, h, t, temp, p))
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
     # No rows: an empty slice of the hidden states, still on the graph, so a backward pass runs as usual.
     return torch.cat(pieces) if pieces else hidden[:0, 0].to(out_dtype)
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(head(hidden))[targets] per row, computed in at least float32."""
-    logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the log-prob of the target under head(hidden) at the row's temperature and top_p, computed in at
+    least float32."""
+    return processed_logprobs(head(hidden), targets, temperature, top_p)
 
 
 def tree_hidden_states(

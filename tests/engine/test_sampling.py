@@ -2,15 +2,37 @@ import math
 
 import torch
 
-from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams, _top_p_filter, choose, make_generator
+from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams, choose, make_generator
+from forge_stream.sampled_policy import processed_logits, processed_logprobs
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = torch.isfinite(_top_p_filter(logits, 0.7))
-    assert kept.tolist() == [True, True, False, False]
-    assert torch.isfinite(_top_p_filter(logits, 0.01)).tolist() == [True, False, False, False]
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(processed_logits(logits, 1.0, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert torch.isfinite(processed_logits(logits, 1.0, 0.01)).tolist() == [[True, False, False, False]]
+    # a token is in exactly when the mass of the tokens more likely than it is below top_p
+    assert torch.isfinite(processed_logits(logits, 1.0, 0.79)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(processed_logits(logits, 1.0, 0.81)).tolist() == [[True, True, True, False]]
 
+
+def test_the_trainers_log_probs_are_exactly_the_ones_the_engine_reports():
+    """The trainer's scoring (`processed_logprobs`, many rows with their own settings at once) gives, bit for bit,
+    the log-prob `choose` reports for the token it sampled from the same logits: temperature 0.7, with and without
+    top_p 0.9; and not the model's own (temperature 1) log-prob."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, 4000, generator=gen) * 4
+    settings = [(0.7, 1.0), (0.7, 0.9)] * 12
+    picked = [choose(row, SamplingParams(max_tokens=1, temperature=t, top_p=p, seed=i), make_generator(i, 0))
+              for i, (row, (t, p)) in enumerate(zip(logits, settings))]
+    tokens = torch.tensor([c.token_id for c in picked])
+    trainer = processed_logprobs(logits, tokens, torch.tensor([t for t, _ in settings]),
+                                 torch.tensor([p for _, p in settings]))
+    assert trainer.tolist() == [c.logprob for c in picked]
+    raw = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    assert (trainer - raw).abs().min() > 1e-3
+    nucleus = torch.isfinite(processed_logits(logits[1::2], 0.7, 0.9))
+    assert nucleus.sum(-1).max() < 4000  # top_p 0.9 cut tokens off every row
 
 def test_greedy_picks_argmax_and_reports_raw_logprob():
     logits = torch.tensor([0.1, 2.0, -1.0])

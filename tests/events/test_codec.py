@@ -34,6 +34,7 @@ PINNED = {
     ("forge.events.SampleClaim", 1): "560ad099f01b51f5382f270219fa5dae85241a814aff55b084e80c9792ad1f73",
     ("forge.events.TrainSample", 1): "bbfce5a609ae429d26b204647201823b97917e719707bc04436c3565c477072a",
     ("forge.events.TrainSample", 2): "df5902a4569ccf150aa4aeaf3c35dc74d774f654cfef04091d23faf28531dac2",
+    ("forge.events.TrainSample", 3): "f88f043d59f123b5384c99b08e478dac025a72ff7b745b0a8ffc1e8181de74a3",
     ("forge.events.TrainStep", 1): "79e57c0dc8e159429f9560b53d98106d817ba3916ce4fad9fc4f4176ed824147",
     ("forge.events.TrainStep", 2): "a07ab1d2490f0c07621610b00434396b7a6c269556a7621dde642330a48ab709",
     ("forge.events.TrainStep", 3): "72f2ba2d2a2e8d800a34fb9586785333385fd7fd8d874c5fb07db5908f8a09a2",

@@ -19,6 +19,7 @@ Both engines follow forge.policy (a run of their own): a version trained from wh
 step) goes back to them and is served exactly (figures in that test's docstring).
 """
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,15 +28,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import serving
+from helpers import folded_train_sample, group_events, serving, trainer_gaps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
-from forge_stream.events import deterministic_id
 from forge_stream.events.prompts import shared_prefix
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.settings import GatewaySettings
-from forge_stream.kafka.history import Slice, read_completions, read_slice
+from forge_stream.kafka.history import read_completions
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors import ProcessorSettings, fold
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings
@@ -109,25 +109,12 @@ def run_session(gateway: str, group_id: str, first: dict) -> tuple[str, list[tup
     return session["session_id"], turns
 
 
-def group_events(bootstrap: str, group_id: str, group_size: int = len(SESSIONS)) -> list[tuple[str, dict]]:
-    """The group's events as the processors read them (prompts whole), after a Task for its sessions."""
-    task = {"event_id": deterministic_id("task", group_id), "event_time": 0, "group_id": group_id, "task_id": "sum",
-            "seq": 0, "domain": "math", "grader": "exact_match", "group_size": group_size, "prompt_json": "{}",
-            "metadata": {}}
-    events = [("Task", task)]
-    for topic in (TOPICS.sessions, TOPICS.tool_spans, TOPICS.rewards):
-        events += [(e.schema, e.record) for e in read_slice(bootstrap, topic, Slice())
-                   if e.record.get("group_id") == group_id]
-    events += [("Completion", r) for r in read_completions(bootstrap, keep=lambda r: r["group_id"] == group_id)]
-    return sorted(events, key=lambda e: e[1]["event_time"])
-
-
 def test_recorded_prompts_are_the_template_and_breaks_are_counted(smollm2, gateway, kafka_bootstrap):
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     group_id = f"exact-{uuid.uuid4().hex[:8]}"
     sessions = {name: run_session(gateway, group_id, first) for name, first in SESSIONS.items()}
     state, trajectories = None, {}
-    for schema, record in group_events(kafka_bootstrap, group_id):
+    for schema, record in group_events(kafka_bootstrap, group_id, len(SESSIONS)):
         state, out = fold(state, schema, record, ProcessorSettings(group_timeout_ms=60_000))
         trajectories.update({e.record["session_id"]: e.record for e in out if e.schema == "Trajectory"})
     completions = read_completions(kafka_bootstrap, keep=lambda r: r["group_id"] == group_id)
@@ -170,16 +157,6 @@ def sampled_session(gateway: str, group_id: str, reward: float) -> str:
     return session["session_id"]
 
 
-def train_sample(bootstrap: str, group_id: str, group_size: int) -> dict:
-    """The group's TrainSample, folded by the processors from what the gateway recorded."""
-    state, samples = None, []
-    for schema, record in group_events(bootstrap, group_id, group_size):
-        state, out = fold(state, schema, record, ProcessorSettings(group_timeout_ms=60_000))
-        samples += [e.record for e in out if e.schema == "TrainSample"]
-    assert len(samples) == 1, samples
-    return samples[0]
-
-
 def completion_logprobs(model, record: dict) -> torch.Tensor:
     """The model's log-probs of the record's completion ids given its prompt ids (the trainer's tree forward)."""
     with torch.no_grad():
@@ -206,7 +183,7 @@ def test_a_trained_version_goes_back_to_the_engine_and_is_served_exactly(smollm2
     group_id = f"train-{uuid.uuid4().hex[:8]}"
     for reward in (1.0, 0.0):
         sampled_session(gateway, group_id, reward)
-    sample = train_sample(kafka_bootstrap, group_id, 2)
+    sample = folded_train_sample(kafka_bootstrap, group_id, 2)
     assert sample["policy_version"] == sample["policy_version_max"] == 0
 
     checkpoints = tmp_path / "checkpoints"
@@ -248,3 +225,35 @@ def test_a_trained_version_goes_back_to_the_engine_and_is_served_exactly(smollm2
           f"{len(served)} served log-probs vs the new weights' max |diff| {to_new:.1e}, vs the old's {to_old:.2f}")
     assert to_new < TOLERANCE, (to_new, to_old)
     assert to_old > 10 * TOLERANCE, (to_new, to_old)
+
+
+SAMPLED_AT = {"T=0.7": {"temperature": 0.7}, "T=0.7, top_p=0.9": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def test_the_trainer_scores_sampled_tokens_as_the_engine_did(smollm2, engine, gateway, kafka_bootstrap):
+    """Four SmolLM2 answers sampled at temperature 0.7, two of them with top_p 0.9, recorded by the gateway and
+    folded into one TrainSample: the trainer step's log-probs at the serving weights (fp32, each token at its
+    sequence's settings) equal the recorded ones within 1e-3 nats, so every ratio is 1; scored at temperature 1
+    they are far off.
+
+    Measured (max |trainer - recorded|): torch engine 3.0e-5 nats over 161 tokens (1.26 at temperature 1), vLLM
+    6.2e-5 over 153 (1.85 at temperature 1). vLLM's start-up took 506 s of this test's setup on 2 loaded cores."""
+    group_id = f"hot-{uuid.uuid4().hex[:8]}"
+    sampling = [SAMPLED_AT["T=0.7"], SAMPLED_AT["T=0.7, top_p=0.9"]] * 2
+    for i, settings in enumerate(sampling):
+        opened = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id, "task_id": "sum"})
+        assert opened.status_code == 201, opened.text
+        session = opened.json()
+        chat(session["base_url"], QUESTION, max_tokens=48, **settings)
+        for path, body in (("reward", {"value": float(i % 2)}), ("finish", {"status": "ok"})):
+            assert httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/{path}", json=body).status_code == 200
+    sample = folded_train_sample(kafka_bootstrap, group_id, len(sampling))
+    assert sorted((s["temperature"], s["top_p"], s["logprobs_mode"]) for s in sample["sequences"]) == [
+        (0.7, 0.9, "processed"), (0.7, 0.9, "processed"), (0.7, 1.0, "processed"), (0.7, 1.0, "processed")]
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    stats, at_one = trainer_gaps(model, sample)
+    print(f"\n{engine.kind}: {stats['tokens']} tokens sampled at T=0.7 (half with top_p 0.9): max |trainer - recorded| "
+          f"{stats['mismatch_max']:.1e} nats (ratio max {stats['ratio_max']:.6f}); scored at T=1 {at_one:.2f}")
+    assert stats["tokens"] > 40
+    assert stats["mismatch_max"] <= 1e-3 and stats["ratio_max"] <= math.exp(1e-3)
+    assert at_one > 0.1

@@ -19,7 +19,7 @@ def make_turns(specs):
         comp = {"completion_id": f"c{i}", "session_id": f"s{i % 3}", "turn": i, "choice_index": 0, "trainable": ok,
                 "prompt_token_ids": prompt, "completion_token_ids": completion, "policy_version": i % 4,
                 "completion_logprobs": [-(i + 1) - j / 10 for j in range(len(completion))],
-                "temperature": 0.5 + i, "logprobs_mode": "processed"}
+                "temperature": 0.5 + i, "top_p": 1.0 - i / 20, "logprobs_mode": "processed"}
         turns.append(Turn(comp, advantage=adv, reward=adv))
     return turns
 
@@ -66,7 +66,8 @@ def test_sample_against_brute_force(specs):
         assert seq["completion_id"] == comp["completion_id"] and seq["length"] == len(full)
         assert seq["prompt_len"] == len(comp["prompt_token_ids"]) and seq["old_logprobs"] == comp["completion_logprobs"]
         assert (seq["rollout"], seq["outcome_reward"]) == (comp["session_id"], float(comp["session_id"][1:]))
-        assert (seq["temperature"], seq["logprobs_mode"]) == (comp["temperature"], "processed")
+        assert (seq["temperature"], seq["top_p"], seq["logprobs_mode"]) == (comp["temperature"], comp["top_p"],
+                                                                             "processed")
         for row, lp in zip(path[seq["prompt_len"]:], comp["completion_logprobs"]):
             want_mask[row] = True
             want_lp[row] = lp if want_lp[row] is None else want_lp[row]

@@ -48,7 +48,7 @@ def long_path_sample(prompt: int, completion: int, seed: int = 0) -> dict:
     ref = {"completion_id": "c0", "session_id": "s0", "turn": 0, "last_row": int(tree.last_row[0]),
            "length": prompt + completion, "prompt_len": prompt, "old_logprobs": old, "advantage": 1.0,
            "reward": 1.0, "policy_version": 0, "rollout": "s0", "outcome_reward": 1.0, "temperature": 1.0,
-           "logprobs_mode": "processed"}
+           "top_p": 1.0, "logprobs_mode": "processed"}
     return {"event_id": "g0", "group_id": "g0", "policy_version": 0, "token_ids": tree.token_ids.tolist(),
             "position_ids": tree.position_ids.tolist(), "subtree_end": tree.subtree_end.tolist(),
             "parent_row": tree.parent_row.tolist(), "sequences": [ref]}

@@ -1,17 +1,19 @@
 """The tree-packed training step on decoded TrainSample dicts, checked against separate passes + the formula."""
 
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
+from forge_stream.sampled_policy import processed_logprobs
 from forge_stream.trainer.losses import Clip
 from forge_stream.trainer.step import (
     StepConfig, accumulate_gradients, build_optimizer, micro_batch_plan, micro_batches, sample_tree, split_sequences,
     train_step,
 )
 from forge_stream.tree import pack
-from forge_stream.tree.reference import _token_logprobs, separate_logprobs, tiny_causal_lm
+from forge_stream.tree.reference import separate_logprobs, tiny_causal_lm
 
 
 def _sample(group_id, sequences, prompt_lens, advantages, policy_version, seed):
@@ -27,7 +29,7 @@ def _sample(group_id, sequences, prompt_lens, advantages, policy_version, seed):
                 "last_row": int(tree.last_row[i]), "length": len(seq), "prompt_len": plen,
                 "old_logprobs": old, "advantage": adv, "reward": adv + 1.0, "policy_version": policy_version,
                 "rollout": f"s{i % 2}", "outcome_reward": float(i % 2), "temperature": 1.0,
-                "logprobs_mode": "processed",
+                "top_p": 1.0, "logprobs_mode": "processed",
             }
         )
     return {
@@ -169,19 +171,21 @@ def _rows_and_path(sample, ref):
     return [sample["token_ids"][r] for r in _path(sample["parent_row"], ref["last_row"])]
 
 
-def _with_old_logprobs(model, samples, temperature=1.0, offsets=None):
-    """The samples with old log-probs computed by `model` itself at `temperature` (plus per-token offsets)."""
+def _with_old_logprobs(model, samples, temperature=1.0, top_p=1.0, offsets=None):
+    """The samples with old log-probs computed by `model` itself, separately for each sequence, at `temperature`
+    and `top_p` as an engine reports them (processed), plus per-token offsets."""
     out = []
     with torch.no_grad():
         for s in samples:
             refs = []
             for i, ref in enumerate(s["sequences"]):
                 ids = torch.tensor(_rows_and_path(s, ref))
-                logits = model(input_ids=ids[None]).logits[0] / temperature
-                old = _token_logprobs(logits, ids)[ref["prompt_len"] - 1:]
+                old = processed_logprobs(model(input_ids=ids[None]).logits[0, :-1], ids[1:], temperature, top_p)
+                old = old[ref["prompt_len"] - 1:]
                 if offsets is not None:
                     old = old + torch.tensor([offsets[(i + t) % len(offsets)] for t in range(old.numel())])
-                refs.append({**ref, "old_logprobs": old.tolist(), "temperature": temperature})
+                refs.append({**ref, "old_logprobs": old.tolist(), "temperature": temperature, "top_p": top_p,
+                             "logprobs_mode": "processed"})
             out.append({**s, "sequences": refs})
     return out
 
@@ -223,9 +227,26 @@ def test_mismatch_is_visible_in_the_step_stats():
     assert same.mismatch_mean < 1e-5 and same.mismatch_max < 1e-5
     assert same.ratio_mean == pytest.approx(1.0, abs=1e-5) and same.ratio_max == pytest.approx(1.0, abs=1e-5)
     assert same.clip_fraction == 0.0 and same.loss_name == "cispo"
-    hot = train_step(model, build_optimizer(model, config), _with_old_logprobs(model, _samples(), 0.5), config, 4)
-    assert hot.mismatch_mean > 0.05 and hot.mismatch_max >= hot.mismatch_mean
-    assert abs(hot.ratio_mean - 1.0) > 0.01 and hot.ratio_max > 1.0
+    drifted = train_step(model, build_optimizer(model, config),
+                         _with_old_logprobs(model, _samples(), offsets=[0.3, -0.2]), config, 4)
+    assert 0.2 < drifted.mismatch_mean < 0.3 and drifted.mismatch_max == pytest.approx(0.3)
+    assert abs(drifted.ratio_mean - 1.0) > 0.01 and drifted.ratio_max == pytest.approx(math.exp(0.2))
+
+
+def test_tokens_are_scored_at_the_temperature_and_top_p_they_were_sampled_at():
+    """Log-probs recorded at temperature 0.5 (and top_p 0.8) by the same weights: the step scores each token at its
+    sequence's settings, so every ratio is 1 and nothing is clipped. The same numbers recorded as raw, or scored at
+    temperature 1 as the trainer once did, are far off."""
+    model = tiny_causal_lm("llama", dtype=torch.float64, seed=5)
+    config = StepConfig(lr=0.0, token_budget=20)
+    for top_p in (1.0, 0.8):
+        hot = _with_old_logprobs(model, _samples(), 0.5, top_p)
+        stats = train_step(model, build_optimizer(model, config), hot, config, 4)
+        assert stats.mismatch_max < 1e-9 and stats.ratio_max == pytest.approx(1.0, abs=1e-9), top_p
+        assert stats.clip_fraction == 0.0
+        as_raw = [{**s, "sequences": [{**r, "logprobs_mode": "raw"} for r in s["sequences"]]} for s in hot]
+        off = train_step(model, build_optimizer(model, config), as_raw, config, 4)
+        assert off.mismatch_mean > 0.05 and abs(off.ratio_mean - 1.0) > 0.01, top_p
 
 
 def test_a_non_finite_gradient_changes_no_weight():

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from forge_stream.sampled_policy import processed_logprobs
 from forge_stream.tree import pack, sequence_logprobs
 from forge_stream.tree.attention import ancestor_plan
+from forge_stream.tree.logprobs import path_logprobs
 from forge_stream.tree.reference import padded_logprobs, separate_logprobs, tiny_causal_lm
 
 # Several levels of branching, a duplicate, a prefix of another sequence, a second and third root (forest),
@@ -143,3 +145,59 @@ def test_model_attention_setting_is_restored():
     with torch.no_grad():
         sequence_logprobs(model, pack(SEQUENCES))
     assert model.config._attn_implementation == "sdpa"
+
+
+# Each sequence's sampling (temperature, top_p). SEQUENCES[0] and [4] are the same tokens at other settings: their
+# rows are scored at both.
+SETTINGS = [(0.7, 1.0), (0.7, 0.9), (1.3, 0.5), (0.7, 0.9), (0.5, 0.95), (1.0, 1.0), (0.7, 0.8), (0.9, 0.9),
+            (0.7, 1.0), (0.7, 0.9), (2.0, 0.7)]
+
+
+def _separate_processed(model, seqs, settings):
+    """Each sequence's log-probs at its own settings from its own forward pass."""
+    out = []
+    for seq, (temperature, top_p) in zip(seqs, settings):
+        ids = torch.tensor(seq)
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+        out.append(processed_logprobs(logits, ids[1:], temperature, top_p))
+    return out
+
+
+def _tree_processed(model, seqs, settings, **kwargs):
+    """The same from one tree forward pass, each sequence's rows given its settings."""
+    packed = pack(seqs)
+    lengths = [len(s) - 1 for s in seqs]
+    per_token = [setting for setting, n in zip(settings, lengths) for _ in range(n)]
+    lp = path_logprobs(model, packed, torch.cat([path[1:] for path in packed.paths]), **kwargs,
+                       temperature=torch.tensor([t for t, _ in per_token], dtype=torch.float64),
+                       top_p=torch.tensor([p for _, p in per_token], dtype=torch.float64))
+    return list(lp.split(lengths))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_log_probs_at_sampling_settings_match_separate_passes(dtype, tol):
+    """Per-sequence temperatures and top-p nuclei (one row scored at two settings): the tree's log-probs equal N
+    separate passes', and they are neither the temperature-1 ones nor those without the nuclei."""
+    model = tiny_causal_lm("qwen2", dtype=dtype, num_heads=8, num_kv_heads=2, seed=2)
+    with torch.no_grad():
+        ref = _separate_processed(model, SEQUENCES, SETTINGS)
+        for backend, chunk, head_rows in [("ancestor", 3, 5), ("ancestor", 128, 1024), ("dense", 128, 7)]:
+            out = _tree_processed(model, SEQUENCES, SETTINGS, backend=backend, chunk_rows=chunk, head_rows=head_rows)
+            _assert_shapes(out, SEQUENCES)
+            assert _max_diff(out, ref) < tol, (backend, chunk)
+        assert _max_diff(out, separate_logprobs(model, SEQUENCES)) > 0.1
+        assert _max_diff(out, _separate_processed(model, SEQUENCES, [(t, 1.0) for t, _ in SETTINGS])) > 0.01
+
+
+@pytest.mark.parametrize("family,dtype,tol", [("llama", torch.float32, 1e-5), ("qwen2", torch.float64, 1e-10)])
+def test_gradients_at_sampling_settings_match_separate_passes(family, dtype, tol):
+    """Every parameter's gradient through the scaled, nucleus-masked log-probs equals N separate passes'."""
+    model = tiny_causal_lm(family, dtype=dtype, seed=3)
+    if dtype == torch.float64:
+        _native_norms(model)
+    weights = torch.randn(len(SEQUENCES), generator=torch.Generator().manual_seed(4), dtype=dtype)
+    ref = _grads(model, _separate_processed(model, SEQUENCES, SETTINGS), weights)
+    got = _grads(model, _tree_processed(model, SEQUENCES, SETTINGS, chunk_rows=2, head_rows=5), weights)
+    for name, g in ref.items():
+        rel = float((got[name] - g).abs().max()) / max(float(g.abs().max()), 1e-30)
+        assert rel < tol, (name, rel)
