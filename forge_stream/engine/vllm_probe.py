@@ -23,12 +23,22 @@ def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
     return [(17 + 7919 * i) % vocab_size for i in range(n)]
 
 
-def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float]:
+def reference_logprobs(model_dir: str, ids: list[int], dtype: str, resident: lora.ResidentBase | None = None
+                       ) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 under the version in `model_dir` (full weights, or an adapter run by peft
-    on its base model, not merged), on the CPU."""
+    on its base model, not merged), on the CPU. An adapter goes onto `resident`'s base when one is given (read from
+    disk once and kept, so a version costs its adapter), else onto a base read from disk."""
     import torch
 
-    model = lora.load_policy(model_dir, getattr(torch, dtype), merge=False).eval()
+    if resident is not None and lora.is_adapter(model_dir):
+        with resident.adapted(model_dir) as model:
+            return _logprobs(model, ids)
+    return _logprobs(lora.load_policy(model_dir, getattr(torch, dtype), merge=False).eval(), ids)
+
+
+def _logprobs(model, ids: list[int]) -> list[float]:
+    import torch
+
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
     return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]

@@ -1,0 +1,39 @@
+"""A LoRA run's base model kept in memory (forge_stream.lora.ResidentBase): successive adapter versions on the one
+base, rank changing between them and an unreadable one among them, give bit for bit what a fresh load from disk gives,
+both as the vLLM front's probe reference (peft, not merged) and as the torch engine's merged model; the base is read
+from disk once and never changed."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from forge_stream import lora
+from forge_stream.engine.vllm_probe import probe_ids, reference_logprobs
+
+from helpers import adapter_version
+
+
+def test_adapter_versions_on_a_resident_base_equal_a_fresh_load(tiny_model_dir, tmp_path):
+    first = adapter_version(tiny_model_dir, tmp_path / "v1", seed=1, rank=4)
+    second = adapter_version(tiny_model_dir, tmp_path / "v2", seed=2, rank=8)  # the config changes: rank 4 -> 8
+    corrupt = adapter_version(tiny_model_dir, tmp_path / "v3", seed=3, rank=8)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    third = adapter_version(tiny_model_dir, tmp_path / "v4", seed=4, rank=2)
+    ids = probe_ids(AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.vocab_size)
+    resident = lora.ResidentBase()
+
+    seen = []
+    for version in (first, second, third):
+        served = reference_logprobs(str(version), ids, "float32", resident)
+        assert served == reference_logprobs(str(version), ids, "float32")  # a fresh base from disk, bit for bit
+        seen.append(served)
+        merged, fresh = resident.merged(version).state_dict(), lora.load_policy(version).state_dict()
+        assert merged.keys() == fresh.keys() and all(torch.equal(merged[k], fresh[k]) for k in fresh)
+        if version == first:
+            with pytest.raises(ValueError):
+                reference_logprobs(str(corrupt), ids, "float32", resident)
+    assert seen[0] != seen[1] != seen[2]  # each version's adapter moved them its own way
+    assert resident.loads == 2  # once, and once more after the unreadable adapter (peft may have half-adapted it)
+    # and the base itself is unchanged: the last merged copy above equals base + adapter read from disk
+
