@@ -48,7 +48,7 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
         ids = probe_ids(vocab_size(held))
         if settings.probe and state.resident is None:  # the probe's base model, read at the first adapter, kept
             state.resident = lora.ResidentBase(getattr(torch, settings.dtype))
-        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype, state.resident)
+        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings, state.resident)
                     if settings.probe else None)
     except (OSError, ValueError) as exc:
         return _failed(state, held, version, checkpoint, f"cannot read it ({exc})")

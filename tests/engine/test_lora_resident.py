@@ -8,7 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forge_stream import lora
+from forge_stream.engine.vllm_engine import VllmEngineSettings
 from forge_stream.engine.vllm_probe import probe_ids, reference_logprobs
+from forge_stream.engine.vllm_runtime import VllmRuntime
 
 from helpers import adapter_version
 
@@ -21,18 +23,19 @@ def test_adapter_versions_on_a_resident_base_equal_a_fresh_load(tiny_model_dir, 
     weights.write_bytes(weights.read_bytes()[:100])
     third = adapter_version(tiny_model_dir, tmp_path / "v4", seed=4, rank=2)
     ids = probe_ids(AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.vocab_size)
+    settings = VllmEngineSettings(str(tiny_model_dir), VllmRuntime(tmp_path, "cpu"), tmp_path)
     resident = lora.ResidentBase()
 
     seen = []
     for version in (first, second, third):
-        served = reference_logprobs(str(version), ids, "float32", resident)
-        assert served == reference_logprobs(str(version), ids, "float32")  # a fresh base from disk, bit for bit
+        served = reference_logprobs(str(version), ids, settings, resident)
+        assert served == reference_logprobs(str(version), ids, settings)  # a fresh base from disk, bit for bit
         seen.append(served)
         merged, fresh = resident.merged(version).state_dict(), lora.load_policy(version).state_dict()
         assert merged.keys() == fresh.keys() and all(torch.equal(merged[k], fresh[k]) for k in fresh)
         if version == first:
             with pytest.raises(ValueError):
-                reference_logprobs(str(corrupt), ids, "float32", resident)
+                reference_logprobs(str(corrupt), ids, settings, resident)
     assert seen[0] != seen[1] != seen[2]  # each version's adapter moved them its own way
     assert resident.loads == 2  # once, and once more after the unreadable adapter (peft may have half-adapted it)
     # and the base itself is unchanged: the last merged copy above equals base + adapter read from disk
