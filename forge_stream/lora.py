@@ -1,7 +1,7 @@
 """LoRA adapters as policy versions: which layers get one, how the trainer wraps a model, how a version folder is
 recognized as an adapter and loaded back onto its base model (the trainer's restart, the torch engine, the vLLM
-engine's reference log-probs), and the base model an engine keeps in memory so that an adapter version costs the
-adapter, not the base (`ResidentBase`).
+engine's reference log-probs), and the base model the vLLM front keeps in memory so that an adapter version's
+reference costs the adapter, not the base (`ResidentBase`).
 
 An adapter version is peft's layout: `adapter_config.json` (rank, alpha, the adapted layers, and
 `base_model_name_or_path`, the base model directory the trainer started from) and `adapter_model.safetensors`. Every
@@ -11,7 +11,6 @@ head and the embeddings never do: vLLM serves no LoRA on a tied LM head, and the
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,8 +103,8 @@ def weight_bytes(path: str | Path) -> int:
 class ResidentBase:
     """The base model of a LoRA run, loaded from disk once (the first adapter that names it, in `dtype` on `device`,
     eval mode) and kept: each adapter version then costs its adapter's bytes, not the base's. The base is never
-    changed: an adapter is injected for one use and taken out again, or merged into a copy. An adapter naming
-    another base directory replaces it (loaded once again). Its memory is one copy of the base's weights.
+    changed: an adapter is injected for one use and taken out again. An adapter naming another base directory
+    replaces it (loaded once again). Its memory is one copy of the base's weights.
 
     Thread-safe: one adapter at a time is on the base (callers run it off their event loop)."""
 
@@ -144,10 +143,3 @@ class ResidentBase:
                 model.unload()  # the LoRA layers out again, the base's own weights untouched
                 if hasattr(self._model, "peft_config"):
                     del self._model.peft_config
-
-    def merged(self, adapter: str | Path) -> torch.nn.Module:
-        """A new model: a copy of the base with the adapter of folder `adapter` merged into the copy's weights (what
-        `load_policy(adapter)` gives, bit for bit, without reading the base from disk)."""
-        with self._lock:
-            model = load_adapter(copy.deepcopy(self._base(adapter)), adapter)
-        return model.merge_and_unload().eval()

@@ -58,12 +58,9 @@ class ChoiceResult:
         self.stop_reason = event.stop_reason
 
 
-def _load_model(path: str, settings: EngineSettings, resident: lora.ResidentBase):
-    """Full weights from disk, or a LoRA adapter merged into a copy of its base model (forge_stream.lora): the merged
-    model runs at the base model's speed. The base is read from disk at the first adapter version and kept
-    (`resident`), so a later version costs a copy of it in memory and the adapter's merge, not a base load."""
-    if lora.is_adapter(path):
-        return resident.merged(path)
+def _load_model(path: str, settings: EngineSettings):
+    """Full weights, or a LoRA adapter merged into its base model (forge_stream.lora): the merged model runs at the
+    base model's speed, and loading one (the base from disk, the merge) takes about what full weights take."""
     return lora.load_policy(path, getattr(torch, settings.dtype)).to(settings.device).eval()
 
 
@@ -71,14 +68,13 @@ class EngineService:
     """Generation, model listing and weight reloads for one served model."""
 
     def __init__(self, settings: EngineSettings, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler,
-                 max_model_len: int, grammars: Grammars, resident: lora.ResidentBase):
+                 max_model_len: int, grammars: Grammars):
         self.settings = settings
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self._reload_lock = asyncio.Lock()
-        self._resident = resident  # a LoRA run's base model, kept from its first adapter version on
         # one thread parses and tokenizes requests, so a large one never stalls the event loop (health, streams)
         self._prepare = ThreadPoolExecutor(1, thread_name_prefix="engine-prepare")
 
@@ -99,8 +95,7 @@ class EngineService:
     def load(cls, settings: EngineSettings) -> "EngineService":
         """Load the model directory named by the settings and build a (not yet started) service."""
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
-        resident = lora.ResidentBase(getattr(torch, settings.dtype), settings.device)
-        model = _load_model(settings.model, settings, resident)
+        model = _load_model(settings.model, settings)
         max_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
         eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         eos = {i for i in eos if i is not None}
@@ -114,7 +109,7 @@ class EngineService:
             device=settings.device,
             prefix_cache_tokens=settings.prefix_cache_tokens,
         )
-        return cls(settings, tokenizer, scheduler, max_len, Grammars(tokenizer, model.config.vocab_size, eos), resident)
+        return cls(settings, tokenizer, scheduler, max_len, Grammars(tokenizer, model.config.vocab_size, eos))
 
     def start(self) -> None:
         self.scheduler.start()
@@ -235,7 +230,7 @@ class EngineService:
             previous = self.policy_version
             started = time.perf_counter()
             try:
-                model = await asyncio.to_thread(_load_model, path, self.settings, self._resident)
+                model = await asyncio.to_thread(_load_model, path, self.settings)
             except (OSError, ValueError) as exc:
                 raise EngineRequestError(f"Cannot load {path!r}: {exc}", param="path") from exc
             self.scheduler.swap(LoadedModel(model, version, path))

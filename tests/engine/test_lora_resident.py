@@ -1,7 +1,6 @@
 """A LoRA run's base model kept in memory (forge_stream.lora.ResidentBase): successive adapter versions on the one
-base, rank changing between them and an unreadable one among them, give bit for bit what a fresh load from disk gives,
-both as the vLLM front's probe reference (peft, not merged) and as the torch engine's merged model; the base is read
-from disk once and never changed."""
+base, rank changing between them and an unreadable one among them, give the vLLM front's probe reference (peft, not
+merged) bit for bit as a fresh load from disk does; the base is read from disk once and never changed."""
 
 import pytest
 import torch
@@ -31,12 +30,11 @@ def test_adapter_versions_on_a_resident_base_equal_a_fresh_load(tiny_model_dir, 
         served = reference_logprobs(str(version), ids, settings, resident)
         assert served == reference_logprobs(str(version), ids, settings)  # a fresh base from disk, bit for bit
         seen.append(served)
-        merged, fresh = resident.merged(version).state_dict(), lora.load_policy(version).state_dict()
-        assert merged.keys() == fresh.keys() and all(torch.equal(merged[k], fresh[k]) for k in fresh)
         if version == first:
             with pytest.raises(ValueError):
                 reference_logprobs(str(corrupt), ids, settings, resident)
     assert seen[0] != seen[1] != seen[2]  # each version's adapter moved them its own way
     assert resident.loads == 2  # once, and once more after the unreadable adapter (peft may have half-adapted it)
-    # and the base itself is unchanged: the last merged copy above equals base + adapter read from disk
-
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with resident.adapted(first) as model, model.disable_adapter(), torch.no_grad():  # the base is as read from disk
+        assert torch.equal(model(torch.tensor([ids])).logits, fresh(torch.tensor([ids])).logits)
