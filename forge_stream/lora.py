@@ -101,15 +101,15 @@ def weight_bytes(path: str | Path) -> int:
 
 
 class ResidentBase:
-    """The base model of a LoRA run, loaded from disk once (the first adapter that names it, in `dtype` on `device`,
+    """The base model of a LoRA run, loaded from disk once (the first adapter that names it, in `dtype` on the CPU,
     eval mode) and kept: each adapter version then costs its adapter's bytes, not the base's. The base is never
     changed: an adapter is injected for one use and taken out again. An adapter naming another base directory
     replaces it (loaded once again). Its memory is one copy of the base's weights.
 
     Thread-safe: one adapter at a time is on the base (callers run it off their event loop)."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.dtype, self.device = dtype, device
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
         self.path: str | None = None  # the base directory held (resolved), once loaded
         self.loads = 0  # times a base was read from disk
         self._model: torch.nn.Module | None = None
@@ -121,7 +121,7 @@ class ResidentBase:
         path = str(Path(adapter_base(adapter)).resolve())
         if path != self.path:
             self.path = self._model = None  # the old base goes before the new one comes
-            self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+            self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
             self.path, self.loads = path, self.loads + 1
         return self._model
 
