@@ -1,6 +1,7 @@
 """LoRA adapters as policy versions: which layers get one, how the trainer wraps a model, how a version folder is
 recognized as an adapter and loaded back onto its base model (the trainer's restart, the torch engine, the vLLM
-engine's reference log-probs).
+engine's reference log-probs), and the base model the vLLM front keeps in memory so that an adapter version's
+reference costs the adapter, not the base (`ResidentBase`).
 
 An adapter version is peft's layout: `adapter_config.json` (rank, alpha, the adapted layers, and
 `base_model_name_or_path`, the base model directory the trainer started from) and `adapter_model.safetensors`. Every
@@ -10,6 +11,9 @@ head and the embeddings never do: vLLM serves no LoRA on a tied LM head, and the
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,3 +98,48 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, merge: boo
 def weight_bytes(path: str | Path) -> int:
     """Bytes of the weight files an engine loads from a version folder (*.safetensors: full weights or adapter)."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+class ResidentBase:
+    """The base model of a LoRA run, loaded from disk once (the first adapter that names it, in `dtype` on the CPU,
+    eval mode) and kept: each adapter version then costs its adapter's bytes, not the base's. The base is never
+    changed: an adapter is injected for one use and taken out again. An adapter naming another base directory
+    replaces it (loaded once again). Its memory is one copy of the base's weights.
+
+    Thread-safe: one adapter at a time is on the base (callers run it off their event loop)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.path: str | None = None  # the base directory held (resolved), once loaded
+        self.loads = 0  # times a base was read from disk
+        self._model: torch.nn.Module | None = None
+        self._lock = threading.Lock()
+
+    def _base(self, adapter: str | Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        path = str(Path(adapter_base(adapter)).resolve())
+        if path != self.path:
+            self.path = self._model = None  # the old base goes before the new one comes
+            self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+            self.path, self.loads = path, self.loads + 1
+        return self._model
+
+    @contextmanager
+    def adapted(self, adapter: str | Path) -> Iterator[torch.nn.Module]:
+        """The base with the adapter of folder `adapter` on it, not merged (a PeftModel, as `load_policy(...,
+        merge=False)` gives, computing the same log-probs bit for bit), for the `with` block only; OSError or
+        ValueError as `load_adapter`. The adapter's config is read each time, so its rank and layers may change."""
+        with self._lock:
+            base = self._base(adapter)
+            try:
+                model = load_adapter(base, adapter)
+            except BaseException:
+                self.path = self._model = None  # peft may have put layers on it before it failed: read it again
+                raise
+            try:
+                yield model.eval()
+            finally:
+                model.unload()  # the LoRA layers out again, the base's own weights untouched
+                if hasattr(self._model, "peft_config"):
+                    del self._model.peft_config

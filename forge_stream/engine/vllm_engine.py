@@ -56,6 +56,7 @@ import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import httpx
@@ -70,6 +71,9 @@ from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
+
+if TYPE_CHECKING:
+    from forge_stream.lora import ResidentBase
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +207,7 @@ class EngineState:
     load_after: float = 0.0  # time.monotonic() before which no load starts (load_interval_s after the last)
     adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
     retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
+    resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
     @property
     def vllm_url(self) -> str:

@@ -66,7 +66,7 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
         expected = None
         if settings.probe:
             ids = probe_ids(vocab_size(held))
-            expected = await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
+            expected = await asyncio.to_thread(reference_logprobs, str(held), ids, settings)
     except (OSError, ValueError) as exc:
         if held is not None:
             shutil.rmtree(held, ignore_errors=True)

@@ -5,7 +5,9 @@ adapter (forge_stream.lora.is_adapter).
 vLLM serves adapters beside its base model, each under a name of its own, loaded at run time
 (`POST /v1/load_lora_adapter`, with VLLM_ALLOW_RUNTIME_LORA_UPDATING set by the launcher). So a version needs no
 drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven with the probe of
-full weights (vLLM's prompt log-probs under the adapter against peft's on this CPU, forge_stream.engine.vllm_probe),
+full weights (vLLM's prompt log-probs under the adapter against peft's on this CPU, forge_stream.engine.vllm_probe;
+peft runs the adapter on a base model this front reads from disk at the first adapter version and keeps,
+forge_stream.lora.ResidentBase, so a version costs its adapter's bytes and one forward pass, not a base load),
 and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
 new adapter's name and labelled with its version, whatever model name the agent sent, while those in flight finish
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from forge_stream import lora
 from forge_stream.engine.vllm_engine import EngineState
@@ -43,7 +46,9 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
         if current is not None and fingerprint == state.fingerprint:  # a step that changed no weight
             return _rename(state, checkpoint, held, version, current, began)
         ids = probe_ids(vocab_size(held))
-        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings.dtype)
+        if settings.probe and state.resident is None:  # the probe's base model, read at the first adapter, kept
+            state.resident = lora.ResidentBase(getattr(torch, settings.dtype))
+        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings, state.resident)
                     if settings.probe else None)
     except (OSError, ValueError) as exc:
         return _failed(state, held, version, checkpoint, f"cannot read it ({exc})")

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 
 from forge_stream import lora
-from forge_stream.engine.vllm_engine import EngineState
+from forge_stream.engine.vllm_engine import EngineState, VllmEngineSettings
 from forge_stream.engine.vllm_sync import WorkerError
 
 PROBE_TOKENS = 48  # prompt positions whose log-probs prove a reload
@@ -23,12 +23,28 @@ def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
     return [(17 + 7919 * i) % vocab_size for i in range(n)]
 
 
-def reference_logprobs(model_dir: str, ids: list[int], dtype: str) -> list[float]:
+def reference_logprobs(model_dir: str, ids: list[int], settings: VllmEngineSettings,
+                       resident: lora.ResidentBase | None = None) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 under the version in `model_dir` (full weights, or an adapter run by peft
-    on its base model, not merged), on the CPU."""
+    on its base model, not merged), on this process's CPU in the settings' dtype. An adapter goes onto `resident`'s
+    base when one is given (read from disk once and kept, so a version costs its adapter), else onto a base read
+    from disk.
+
+    Beside vLLM on a CPU host it runs on one thread: vLLM's workers hold the cores, and with two threads each matrix
+    product waits for the one that lost its core (SmolLM2-135M: 3-4 s a forward pass against 0.3-0.4 s)."""
     import torch
 
-    model = lora.load_policy(model_dir, getattr(torch, dtype), merge=False).eval()
+    if settings.runtime.target == "cpu":
+        torch.set_num_threads(1)  # this front's only torch work is this reference
+    if resident is not None and lora.is_adapter(model_dir):
+        with resident.adapted(model_dir) as model:
+            return _logprobs(model, ids)
+    return _logprobs(lora.load_policy(model_dir, getattr(torch, settings.dtype), merge=False).eval(), ids)
+
+
+def _logprobs(model, ids: list[int]) -> list[float]:
+    import torch
+
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
     return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
