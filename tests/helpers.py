@@ -128,3 +128,20 @@ def trainer_gaps(model: torch.nn.Module, sample: dict) -> tuple[dict, float]:
     at_one = max(float((lp[ref["prompt_len"] - 1:] - torch.tensor(ref["old_logprobs"])).abs().max())
                  for lp, ref in zip(scored, sample["sequences"]))
     return stats, at_one
+
+
+def publish_adapter_version(bootstrap: str, run: str, version: int, folder: Path, rank: int = 4) -> float:
+    """Announce a LoRA adapter folder as policy `version` of `run` on forge.policy, as the trainer does; the
+    monotonic time it was acknowledged."""
+    import uuid
+
+    from forge_stream import lora
+    from forge_stream.kafka.producer import EventProducer
+
+    producer = EventProducer(bootstrap)
+    producer.send_sync(TOPICS.policy, run, {
+        "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version, "step": version,
+        "checkpoint_uri": str(folder), "base_model": lora.adapter_base(folder), "lora_rank": rank,
+        "size_bytes": lora.weight_bytes(folder)})
+    producer.close()
+    return time.monotonic()

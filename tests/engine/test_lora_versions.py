@@ -11,22 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from forge_stream import lora
 from forge_stream.engine.process import EngineProcess
-from forge_stream.kafka.producer import EventProducer
-from forge_stream.topics import TOPICS
 
-from helpers import adapter_version, until
+from helpers import adapter_version, publish_adapter_version, until
 
 pytestmark = pytest.mark.kafka
-
-
-def _publish(bootstrap: str, run: str, version: int, folder) -> float:
-    producer = EventProducer(bootstrap)
-    producer.send_sync(TOPICS.policy, run, {
-        "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version, "step": version,
-        "checkpoint_uri": str(folder), "base_model": lora.adapter_base(folder), "lora_rank": 4,
-        "size_bytes": lora.weight_bytes(folder)})
-    producer.close()
-    return time.monotonic()
 
 
 def _answer(url: str, prompt: list[int]) -> dict:
@@ -48,16 +36,16 @@ def test_adapter_versions_are_served_under_their_version_and_a_corrupt_one_is_sk
     log = tmp_path / "engine.log"
     with EngineProcess(str(tiny_model_dir), log_path=log,
                        extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run)) as engine:
-        published = _publish(kafka_bootstrap, run, 1, good)
+        published = publish_adapter_version(kafka_bootstrap, run, 1, good)
         first = until(lambda: (a := _answer(engine.url, prompt))["policy_version"] == 1 and a, 60,
                       "version 1 not served")
         took = time.monotonic() - published
         print(f"torch engine: adapter version 1 ({lora.weight_bytes(good)} bytes) published -> first answer under it "
               f"in {took:.2f}s")
-        _publish(kafka_bootstrap, run, 2, corrupt)
+        publish_adapter_version(kafka_bootstrap, run, 2, corrupt)
         until(lambda: "cannot load policy version 2" in log.read_text(), 60, "the corrupt version was not rejected")
         kept = _answer(engine.url, prompt)
-        _publish(kafka_bootstrap, run, 3, later)
+        publish_adapter_version(kafka_bootstrap, run, 3, later)
         until(lambda: _answer(engine.url, prompt)["policy_version"] == 3, 60, "version 3 not served")
 
     assert kept["policy_version"] == 1

@@ -19,10 +19,8 @@ import pytest
 
 from forge_stream import lora
 from forge_stream.engine.process import EngineProcess
-from forge_stream.kafka.producer import EventProducer
-from forge_stream.topics import TOPICS
 
-from helpers import adapter_version, until
+from helpers import adapter_version, publish_adapter_version, until
 
 TOLERANCE = 1e-3  # nats: vLLM's fp32 CPU kernels against peft
 
@@ -36,16 +34,6 @@ def lora_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
         "--lora-rank", "4"))
     with engine:
         yield engine, run, log, kafka_bootstrap
-
-
-def _publish(bootstrap: str, run: str, version: int, folder) -> float:
-    producer = EventProducer(bootstrap)
-    producer.send_sync(TOPICS.policy, run, {
-        "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version, "step": version,
-        "checkpoint_uri": str(folder), "base_model": lora.adapter_base(folder), "lora_rank": 4,
-        "size_bytes": lora.weight_bytes(folder)})
-    producer.close()
-    return time.monotonic()
 
 
 def _answer(url: str, prompt: list[int]) -> dict:
@@ -77,7 +65,7 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     prompt = [5, 17, 99, 23, 42, 7, 300, 12]
 
     base = _answer(engine.url, prompt)
-    published = _publish(bootstrap, run, 1, good)
+    published = publish_adapter_version(bootstrap, run, 1, good)
     first = until(lambda: (a := _answer(engine.url, prompt))["policy_version"] == 1 and a, 120,
                   lambda: f"version 1 not served; see {log}")
     took = time.monotonic() - published
@@ -89,22 +77,22 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     health = httpx.get(f"{engine.url}/health").json()
     assert health["probe_mismatch"] is not None and health["probe_mismatch"] < TOLERANCE
 
-    _publish(bootstrap, run, 2, corrupt)
+    publish_adapter_version(bootstrap, run, 2, corrupt)
     until(lambda: "LoRA policy version 2" in log.read_text(), 120, "the corrupt version was not refused")
     kept = _answer(engine.url, prompt)
     assert httpx.get(f"{engine.url}/health").json()["policy_version"] == 1
 
-    published = _publish(bootstrap, run, 3, later)
+    published = publish_adapter_version(bootstrap, run, 3, later)
     until(lambda: _answer(engine.url, prompt)["policy_version"] == 3, 120, lambda: f"version 3 not served; see {log}")
     print(f"vLLM: adapter version 3 published -> first answer under it in {time.monotonic() - published:.2f}s")
-    _publish(bootstrap, run, 4, too_big)
+    publish_adapter_version(bootstrap, run, 4, too_big)
     until(lambda: "LoRA policy version 4" in log.read_text(), 120, "the rank-16 version was not refused")
     refused = log.read_text().split("LoRA policy version 4", 1)[1].split("\n", 1)[0]
     assert "vLLM did not load it" in refused, refused
     after = _answer(engine.url, prompt)
     health = httpx.get(f"{engine.url}/health").json()
     unchanged = shutil.copytree(later, tmp_path / "v5")  # a step without signal: the same adapter bytes
-    _publish(bootstrap, run, 5, unchanged)
+    publish_adapter_version(bootstrap, run, 5, unchanged)
     until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 5, 120, "version 5 not announced")
     renamed = httpx.get(f"{engine.url}/health").json()
     assert renamed["renamed_versions"] == health["renamed_versions"] + 1 and renamed["loads"] == health["loads"]
