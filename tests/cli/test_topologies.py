@@ -14,7 +14,8 @@ from forge_stream.deploy import TOPOLOGY_DIR, load_topology, plan, up
 from forge_stream.settings import ForgeSettings
 from forge_stream.topics import EMBEDDED, Replication
 
-SETTINGS = ForgeSettings(bootstrap_servers="127.0.0.1:1234", gateway_port=8000)  # the default, whatever FORGE_GATEWAY_PORT is
+# the default gateway port, stated: .ci/run sets FORGE_GATEWAY_PORT, which ForgeSettings would take
+SETTINGS = ForgeSettings(bootstrap_servers="127.0.0.1:1234", gateway_port=8000)
 
 
 def _command(argv: list[str]):
@@ -50,7 +51,8 @@ def test_every_flag_a_topology_passes_is_taken_by_its_command(name):
 def test_the_cluster_topology_places_each_service_on_its_hosts():
     topology = load_topology("cluster")
     assert topology.bootstrap_servers == "kafka-0:9092,kafka-1:9092,kafka-2:9092"
-    local = ForgeSettings(gateway_port=8000)  # no --bootstrap-servers: the topology's cluster is used, not an embedded broker
+    # no --bootstrap-servers: the topology's cluster is used, not an embedded broker
+    local = ForgeSettings(gateway_port=8000)
     assert plan(local, topology, None) == []  # every service of a cluster is placed on a host
     by_host = {h: [p.spec for p in plan(local, topology, h)]
                for h in ("ctl-0", "lb-0", "gw-0", "gw-1", "gpu-0", "gpu-3", "proc-0", "proc-1", "train-0", "train-1")}
