@@ -114,7 +114,7 @@ def test_two_hosts_behind_haproxy_number_turns_once_and_a_killed_host_s_sessions
     with ExitStack() as stack:
         engine_port = free_port()
         stack.enter_context(running(
-            [sys.executable, "-m", "forge_stream.gateway.scripted", "--port", str(engine_port), "--reply",
+            [sys.executable, "-m", "forge_stream.bench.scripted", "--port", str(engine_port), "--reply",
              "The answer is 42.", "--delay-ms", "20"],
             url=f"http://127.0.0.1:{engine_port}/health", log=tmp_path / "engine.log", stop_timeout=10))
         engine = f"http://127.0.0.1:{engine_port}"
