@@ -35,7 +35,7 @@ from forge_stream.engine.process import EngineProcess
 from forge_stream.events.prompts import shared_prefix
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.settings import GatewaySettings
-from forge_stream.kafka.history import read_completions
+from forge_stream.kafka.history import Slice, read_completions, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.processors import ProcessorSettings, fold
 from forge_stream.scheduler.consumer import Batch, SchedulerSettings
@@ -250,7 +250,10 @@ def test_the_trainer_scores_sampled_tokens_as_the_engine_did(smollm2, engine, ga
     sample = folded_train_sample(kafka_bootstrap, group_id, len(sampling))
     assert sorted((s["temperature"], s["top_p"], s["logprobs_mode"]) for s in sample["sequences"]) == [
         (0.7, 0.9, "processed"), (0.7, 0.9, "processed"), (0.7, 1.0, "processed"), (0.7, 1.0, "processed")]
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    # the serving weights: the base model, or the version an earlier test of this engine published and it serves
+    served = [e.record["checkpoint_uri"] for e in read_slice(kafka_bootstrap, TOPICS.policy, Slice())
+              if e.key == engine.run and e.record["version"] == sample["policy_version"]]
+    model = AutoModelForCausalLM.from_pretrained(served[-1] if served else smollm2, dtype=torch.float32)
     stats, at_one = trainer_gaps(model, sample)
     print(f"\n{engine.kind}: {stats['tokens']} tokens sampled at T=0.7 (half with top_p 0.9): max |trainer - recorded| "
           f"{stats['mismatch_max']:.1e} nats (ratio max {stats['ratio_max']:.6f}); scored at T=1 {at_one:.2f}")
