@@ -4,8 +4,9 @@ adapter (forge_stream.lora.is_adapter).
 
 vLLM serves adapters beside its base model, each under a name of its own, loaded at run time
 (`POST /v1/load_lora_adapter`, with VLLM_ALLOW_RUNTIME_LORA_UPDATING set by the launcher). So a version needs no
-drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven with the probe of
-full weights (vLLM's prompt log-probs under the adapter against peft's on this CPU, forge_stream.engine.vllm_probe;
+drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven by the probe
+(vLLM's next-token log-probs under the adapter, batched with the agents' requests, against peft's on this CPU,
+forge_stream.engine.vllm_probe.probe_next;
 peft runs the adapter on a base model this front reads from disk at the first adapter version and keeps,
 forge_stream.lora.ResidentBase, so a version costs its adapter's bytes and one forward pass, not a base load),
 and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
@@ -31,7 +32,7 @@ import torch
 from forge_stream import lora
 from forge_stream.engine.vllm_engine import EngineState
 from forge_stream.engine.vllm_holds import weights_fingerprint
-from forge_stream.engine.vllm_probe import probe, probe_ids, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_probe import probe_ids, probe_next, reference_logprobs, vocab_size
 from forge_stream.engine.vllm_sync import WorkerError
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
         return _failed(state, held, version, checkpoint, f"vLLM did not load it ({exc})")
     loaded = time.monotonic() - loading
     try:
-        mismatch = await probe(state, ids, expected, model=name) if expected is not None else None
+        mismatch = await probe_next(state, ids, expected, name) if expected is not None else None
     except (WorkerError, httpx.HTTPError) as exc:
         await _unload(state, name)
         return _failed(state, held, version, checkpoint, f"it was not proven ({exc})")
