@@ -1,7 +1,7 @@
-"""The second proof of a loaded policy version in `forge-stream engine vllm`: vLLM's prompt log-probs of a fixed token
-sequence (`probe_ids`) must equal the version's own, computed with transformers (full weights) or peft (a LoRA
-adapter on its base model) on this host's CPU, within PROBE_TOLERANCE. forge_stream.engine.vllm_load (full weights)
-and forge_stream.engine.vllm_lora (adapters) use it.
+"""The second proof of a loaded policy version in `forge-stream engine vllm`: vLLM's prompt log-probs of the probe
+sequence (forge_stream.engine.probe) must equal the version's own, computed with transformers (full weights) or peft
+(a LoRA adapter on its base model) on this host's CPU, within the tolerance of the served dtype.
+forge_stream.engine.vllm_load (full weights) and forge_stream.engine.vllm_lora (adapters) use it.
 """
 
 from __future__ import annotations
@@ -11,16 +11,9 @@ from pathlib import Path
 import orjson
 
 from forge_stream import lora
-from forge_stream.engine.vllm_engine import EngineState, VllmEngineSettings
+from forge_stream.engine.probe import model_logprobs, worst_difference
+from forge_stream.engine.vllm_state import EngineState, VllmEngineSettings
 from forge_stream.engine.vllm_sync import WorkerError
-
-PROBE_TOKENS = 48  # prompt positions whose log-probs prove a reload
-PROBE_TOLERANCE = 1e-3  # nats: fp32 CPU kernels agree with transformers to about 1e-5
-
-
-def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
-    """A fixed token sequence spread over the vocabulary (the same for every version)."""
-    return [(17 + 7919 * i) % vocab_size for i in range(n)]
 
 
 def reference_logprobs(model_dir: str, ids: list[int], settings: VllmEngineSettings,
@@ -38,16 +31,8 @@ def reference_logprobs(model_dir: str, ids: list[int], settings: VllmEngineSetti
         torch.set_num_threads(1)  # this front's only torch work is this reference
     if resident is not None and lora.is_adapter(model_dir):
         with resident.adapted(model_dir) as model:
-            return _logprobs(model, ids)
-    return _logprobs(lora.load_policy(model_dir, getattr(torch, settings.dtype), merge=False).eval(), ids)
-
-
-def _logprobs(model, ids: list[int]) -> list[float]:
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    return [logits[i - 1, ids[i]].item() for i in range(1, len(ids))]
+            return model_logprobs(model, ids)
+    return model_logprobs(lora.load_policy(model_dir, getattr(torch, settings.dtype), merge=False).eval(), ids)
 
 
 def vocab_size(model_dir: str | Path) -> int:
@@ -59,7 +44,8 @@ def vocab_size(model_dir: str | Path) -> int:
 
 async def probe(state: EngineState, ids: list[int], expected: list[float], model: str | None = None) -> float:
     """vLLM's prompt log-probs of `ids` under `model` (default: the served name; sent straight to vLLM, not through
-    the gate) against `expected`; the largest difference, or WorkerError past PROBE_TOLERANCE."""
+    the gate) against `expected`; the largest difference, or WorkerError if they do not match
+    (forge_stream.engine.probe.worst_difference)."""
     response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
         "model": model or state.settings.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
         "temperature": 1.0})
@@ -67,7 +53,7 @@ async def probe(state: EngineState, ids: list[int], expected: list[float], model
         raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
     served = response.json()["choices"][0]["prompt_logprobs"]
     got = [served[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    worst = max(abs(a - b) for a, b in zip(got, expected))
-    if worst > PROBE_TOLERANCE:
-        raise WorkerError(f"probe log-probs differ from the checkpoint's by up to {worst:.3g} nats")
+    worst, problem = worst_difference(got, expected, state.settings.dtype)
+    if problem is not None:
+        raise WorkerError(problem)
     return worst
