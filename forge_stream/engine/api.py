@@ -96,7 +96,7 @@ async def models(request: Request) -> ModelList:
 async def health(request: Request) -> HealthResponse:
     follower: FollowerStatus | None = request.app.state.follower
     engine = _engine(request)
-    if follower is not None and follower.stopped:  # serving, but no longer following: for the supervisor to restart
+    if follower is not None and follower.stopped:  # serving, but following no longer: unhealthy until restarted
         return JSONResponse({"status": "not following", "model": engine.settings.model_name,
                              "reason": follower.stopped, "policy_version": engine.policy_version}, status_code=503)
     health = engine.health()

@@ -183,7 +183,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     async def health():
         if not state.ready:
             return JSONResponse({"status": "starting", "model": settings.name}, status_code=503)
-        if state.follower.stopped:  # serving, but no longer following the trainer: for the supervisor to restart
+        if state.follower.stopped:  # serving, but following the trainer no longer: unhealthy until restarted
             return JSONResponse({"status": "not following", "model": settings.name, "reason": state.follower.stopped,
                                  "policy_version": state.gate.version}, status_code=503)
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
