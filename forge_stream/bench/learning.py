@@ -129,13 +129,13 @@ def _served_version(engine_url: str) -> int | None:
 
 
 def _engine_loads(engine_url: str) -> dict:
-    """The vLLM engine's weight-load counts from its /health (loads, renamed_versions, failed_loads); {} from an
+    """The engine's weight-load counts from its /health (loads, failed_loads, and vLLM's renamed_versions); {} from an
     engine that keeps none or does not answer."""
     try:
         health = httpx.get(f"{engine_url}/health", timeout=10).json()
     except (httpx.TransportError, ValueError):
         return {}
-    return {key: health[key] for key in ("loads", "renamed_versions", "failed_loads") if key in health}
+    return {key: health[key] for key in ("loads", "renamed_versions", "failed_loads") if health.get(key) is not None}
 
 
 SERVE_WAIT_S = 120.0  # how long the bench waits, after RL, for the engine to serve the last version

@@ -131,8 +131,10 @@ def vllm(
     import uvicorn
 
     from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
-    from forge_stream.engine.vllm_engine import VllmEngineSettings, create_app
+    from forge_stream.engine.probe import tolerance
+    from forge_stream.engine.vllm_engine import create_app
     from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
+    from forge_stream.engine.vllm_state import VllmEngineSettings
     from forge_stream.kafka.broker import free_port
     from forge_stream.settings import ForgeSettings
 
@@ -141,6 +143,8 @@ def vllm(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:  # before anything is installed or started
         refuse_open_bind("The engine", host, token, ENGINE_ENV)
+        if probe:
+            tolerance(dtype)  # the probe compares log-probs within the dtype's tolerance: one it has
     except ValueError as exc:
         raise user_error(str(exc)) from None
     if bootstrap_servers:

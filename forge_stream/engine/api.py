@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from forge_stream import httpbody
 from forge_stream.credentials import RequireBearer
 
-from forge_stream.engine.policy_watch import watch_policy
+from forge_stream.engine.follower import Applied, FollowerStatus, NotServed, follow, supervise
 from forge_stream.engine.serving import EngineRequestError, EngineService
 from forge_stream.engine.serving_chat import ChatServing
 from forge_stream.engine.serving_completion import CompletionServing
@@ -94,7 +94,15 @@ async def models(request: Request) -> ModelList:
 
 @router.get("/health", response_model=HealthResponse)
 async def health(request: Request) -> HealthResponse:
-    return _engine(request).health()
+    follower: FollowerStatus | None = request.app.state.follower
+    engine = _engine(request)
+    if follower is not None and follower.stopped:  # serving, but following no longer: unhealthy until restarted
+        return JSONResponse({"status": "not following", "model": engine.settings.model_name,
+                             "reason": follower.stopped, "policy_version": engine.policy_version}, status_code=503)
+    health = engine.health()
+    if follower is not None:
+        health.loads, health.failed_loads = follower.loads, follower.failed
+    return health
 
 
 @router.post("/v1/admin/load_weights", response_model=LoadWeightsResponse)
@@ -119,14 +127,32 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: FollowerStatus) -> asyncio.Task:
+    """The engine's policy follower (forge_stream.engine.follower): each newer version of run `run` is loaded with
+    `load_weights`; requests in flight finish on the weights they started with."""
+
+    def served() -> tuple[int, str]:
+        return engine.policy_version, engine.scheduler.current.path
+
+    async def apply(checkpoint: str, version: int) -> Applied:
+        try:
+            result = await engine.load_weights(checkpoint, version)
+        except EngineRequestError as exc:  # e.g. the trainer already rotated that checkpoint away
+            raise NotServed(exc.message) from exc
+        return Applied(True, f"loaded in {result.load_seconds:.2f}s, its probe log-probs finite")
+
+    return supervise(follow(bootstrap, run, served, apply, status), status)
+
+
 def create_app(engine: EngineService, policy_bootstrap: str | None = None, policy_run: str = "default") -> FastAPI:
-    """An app serving `engine`; the scheduler thread (and, with `policy_bootstrap`, a watcher of forge.policy
+    """An app serving `engine`; the scheduler thread (and, with `policy_bootstrap`, a follower of forge.policy
     that loads each newer published version) runs for the app's lifespan."""
+    status = FollowerStatus() if policy_bootstrap else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        watcher = asyncio.create_task(watch_policy(engine, policy_bootstrap, policy_run)) if policy_bootstrap else None
+        watcher = _follow_policy(engine, policy_bootstrap, policy_run, status) if policy_bootstrap else None
         settings, path = engine.settings, engine.scheduler.current.path
         log.info("engine ready (pid %d) on %s:%d: model %s at policy version %d (%s, %s); %s", os.getpid(),
                  settings.host, settings.port, path if settings.model_name == path else f"{settings.model_name} "
@@ -144,6 +170,7 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
 
     app = FastAPI(title="forge-stream local rollout engine", lifespan=lifespan)
     app.state.engine = engine
+    app.state.follower = status
     app.state.chat = ChatServing(engine)
     app.state.completion = CompletionServing(engine)
     app.include_router(router)

@@ -19,6 +19,7 @@ from xgrammar import CompiledGrammar
 
 from forge_stream import lora
 from forge_stream.engine.constraints import Grammars
+from forge_stream.engine.probe import model_logprobs, not_finite, probe_ids
 from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.engine.settings import EngineSettings
@@ -62,6 +63,18 @@ def _load_model(path: str, settings: EngineSettings):
     """Full weights, or a LoRA adapter merged into its base model (forge_stream.lora): the merged model runs at the
     base model's speed, and loading one (the base from disk, the merge) takes about what full weights take."""
     return lora.load_policy(path, getattr(torch, settings.dtype)).to(settings.device).eval()
+
+
+def _load_proven(path: str, settings: EngineSettings):
+    """A new version's model, once its log-probs of the probe sequence (forge_stream.engine.probe) are finite; a
+    version whose weights hold NaN or inf would answer with garbage, so it is refused (ValueError). The served model
+    is this transformers model itself, so there is no second implementation to compare it with, as vLLM's probe
+    does."""
+    model = _load_model(path, settings)
+    problem = not_finite(model_logprobs(model, probe_ids(model.config.vocab_size)))
+    if problem is not None:
+        raise ValueError(problem)
+    return model
 
 
 class EngineService:
@@ -219,7 +232,8 @@ class EngineService:
                               stats={k: int(v) for k, v in vars(stats).items()})
 
     async def load_weights(self, path: str, version: int) -> LoadWeightsResponse:
-        """Load checkpoint `path` as policy `version` and serve new requests with it.
+        """Load checkpoint `path` as policy `version` and serve new requests with it, once its probe log-probs are
+        finite (`_load_proven`).
 
         The new model is a separate object: requests already running finish on the old one (and report the
         old version); the old model is freed when its last sequence ends.
@@ -230,7 +244,7 @@ class EngineService:
             previous = self.policy_version
             started = time.perf_counter()
             try:
-                model = await asyncio.to_thread(_load_model, path, self.settings)
+                model = await asyncio.to_thread(_load_proven, path, self.settings)
             except (OSError, ValueError) as exc:
                 raise EngineRequestError(f"Cannot load {path!r}: {exc}", param="path") from exc
             self.scheduler.swap(LoadedModel(model, version, path))

@@ -8,13 +8,15 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
 - **The policy version that produced each answer.** vLLM's OpenAI responses carry no weight version, so the front
   adds `policy_version` to every response and stream chunk. The version is exact: a `VersionGate` lets requests
   through only while no update runs, and an update starts only once the requests in flight have ended.
-- **Weights follow the trainer.** It follows forge.policy (every version of one run, as the torch engine does),
-  loads each newer checkpoint with the plan of forge_stream.engine.vllm_sync and proves it twice before the gate
-  opens under the new version: vLLM's weight checksums against the checkpoint's, then vLLM's prompt log-probs of
-  a probe sequence against the checkpoint's own (transformers, computed before the pause). A version that cannot
-  be proven is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
+- **Weights follow the trainer.** It follows forge.policy with the torch engine's follower
+  (forge_stream.engine.follower: every version of one run, the newest first), loads each newer checkpoint with the
+  plan of forge_stream.engine.vllm_sync and proves it twice before the gate opens under the new version: vLLM's
+  weight checksums against the checkpoint's, then vLLM's prompt log-probs of a probe sequence against the
+  checkpoint's own (transformers, computed before the pause). A version that cannot be proven, or whose load fails
+  in any way, is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
   its supervisor starts it afresh (vLLM stopped first: it would otherwise outlive its front). The load path is
-  forge_stream.engine.vllm_load.
+  forge_stream.engine.vllm_load; what its modules share, forge_stream.engine.vllm_state. /health is not ok once
+  the follower has stopped.
 - **A trainer faster than the reloads** (a load takes seconds; the trainer may publish and rotate its checkpoints
   away meanwhile): each load starts from the newest version published, and the engine first holds the checkpoint
   it loads, hard links to its files (a copy across file systems) in a folder of its own, kept while vLLM serves
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -54,9 +57,7 @@ import tempfile
 import time
 import weakref
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import httpx
@@ -65,153 +66,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from forge_stream.credentials import ENGINE_ENV, RequireBearer, refuse_open_bind
+from forge_stream.credentials import RequireBearer
+from forge_stream.engine.follower import follow, supervise
 from forge_stream.engine.vllm_holds import HOLDS_PREFIX, remove_orphaned_holds
-from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
+from forge_stream.engine.vllm_load import load_version
+from forge_stream.engine.vllm_runtime import vllm_env
+from forge_stream.engine.vllm_state import EngineState, VersionGate, VllmEngineSettings, exit_engine, stop_vllm
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
 
-if TYPE_CHECKING:
-    from forge_stream.lora import ResidentBase
-
 log = logging.getLogger(__name__)
-
-# vLLM's CPU attention takes KV blocks of a multiple of 32 tokens and defaults to 128; the prefix cache reuses whole
-# blocks only, so an agent's next turn recomputes up to 127 tokens of what it sent before (SmolLM2 in bench learning:
-# 52% of prompt tokens cached at 128, 92% at 32)
-CPU_BLOCK_SIZE = 32
-MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The least --max-lora-rank vLLM takes that holds adapters of `rank`.
-
-    >>> vllm_lora_rank(1), vllm_lora_rank(4), vllm_lora_rank(8)
-    (1, 8, 8)
-    """
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at most, not {rank}")
-
-
-@dataclass(frozen=True)
-class VllmEngineSettings:
-    model: str
-    runtime: VllmRuntime
-    cache_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 8100
-    vllm_port: int = 0  # vLLM's private port on 127.0.0.1
-    served_model_name: str | None = None
-    policy_version: int = 0
-    dtype: str = "float32"
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    kv_cache_gib: int = 2
-    block_size: int | None = None  # tokens per KV block, the prefix cache's granularity; None: CPU_BLOCK_SIZE on
-    # CPU hosts, vLLM's own on GPUs
-    tool_call_parser: str = "hermes"
-    probe: bool = True
-    load_interval_s: float = 0.0  # the least time from the end of one load to the start of the next
-    mq_poll_s: float | None = None  # how vLLM's step queue waits (vllm_env); None: polled on CPU hosts, spun on GPUs
-    start_timeout_s: float = 900.0
-    extra_args: tuple[str, ...] = ()
-    bootstrap: str | None = None
-    policy_run: str = "default"
-    token: str | None = None  # with it, every route but /health needs it as a bearer token
-    lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
-
-    def __post_init__(self):
-        refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.model
-
-    @property
-    def kv_connector(self) -> bool:
-        """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
-        return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
-
-    def vllm_argv(self) -> list[str]:
-        argv = [str(self.runtime.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.vllm_port),
-                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
-                "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-                "--worker-extension-cls", "forge_worker.ForgeWorkerExtension"]
-        block_size = self.block_size or (CPU_BLOCK_SIZE if self.runtime.target == "cpu" else None)
-        if block_size:
-            argv += ["--block-size", str(block_size)]
-        if self.tool_call_parser:
-            argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
-        if self.lora_rank:
-            argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
-                     "--max-loras", str(MAX_LORAS)]
-        return argv + list(self.extra_args)
-
-
-class VersionGate:
-    """Requests pass while the gate is open, each under the version then served; `close` waits until the requests
-    in flight have ended and holds new ones until `reopen(version)`."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.in_flight = 0
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def enter(self) -> int:
-        while not self._open.is_set():
-            await self._open.wait()
-        self.in_flight += 1
-        self._idle.clear()
-        return self.version
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-
-    async def close(self) -> None:
-        self._open.clear()
-        await self._idle.wait()
-
-    def reopen(self, version: int) -> None:
-        self.version = version
-        self._open.set()
-
-
-@dataclass
-class EngineState:
-    settings: VllmEngineSettings
-    gate: VersionGate
-    holds: Path  # this engine's folder of held checkpoints (see hold_checkpoint)
-    http: aiohttp.ClientSession | None = None
-    control: VllmControl | None = None
-    proc: subprocess.Popen | None = None
-    checkpoint: str = ""  # the served version's checkpoint, as the trainer published it
-    serving: str = ""  # the folder vLLM loaded it from: the start-up model, or a held copy
-    ready: bool = False
-    loads: int = 0
-    failed_loads: int = 0
-    renamed: int = 0  # versions announced without a reload: their weights were the served ones
-    fingerprint: str | None = None  # of the served weights (weights_fingerprint), once computed
-    last_mismatch: float | None = None
-    mq_poll_s: list[float | None] | None = None  # each worker's, read back once at start-up
-    load_after: float = 0.0  # time.monotonic() before which no load starts (load_interval_s after the last)
-    adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
-    retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
-    resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
-
-    @property
-    def vllm_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.vllm_port}"
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -294,7 +159,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await state.http.close()
-            _stop(proc)
+            stop_vllm(proc)
             shutil.rmtree(state.holds, ignore_errors=True)
 
     app = FastAPI(title="forge-stream vLLM engine", lifespan=lifespan)
@@ -318,10 +183,12 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     async def health():
         if not state.ready:
             return JSONResponse({"status": "starting", "model": settings.name}, status_code=503)
+        if state.follower.stopped:  # serving, but following the trainer no longer: unhealthy until restarted
+            return JSONResponse({"status": "not following", "model": settings.name, "reason": state.follower.stopped,
+                                 "policy_version": state.gate.version}, status_code=503)
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
-                "loads": state.loads, "failed_loads": state.failed_loads, "renamed_versions": state.renamed,
-                "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s,
+                **state.follower.health(), "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s,
                 "lora_adapter": state.adapters.get(state.gate.version)}
 
     if settings.token:
@@ -346,42 +213,18 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _exit(state: EngineState, reason: str) -> None:
-    """End this process now, vLLM first (its supervisor restarts it, and with it a fresh vLLM). Not a graceful
-    shutdown: that would wait for the requests held at a closed gate, which may never open again."""
-    log.error("%s; stopping the engine so that it starts afresh", reason)
-    if state.proc is not None:
-        _stop(state.proc)
-    shutil.rmtree(state.holds, ignore_errors=True)
-    logging.shutdown()
-    os._exit(3)
-
-
 async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
     settings = state.settings
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=600) as client:
         while True:
             if proc.poll() is not None:
-                return _exit(state, f"vLLM exited during start-up (exit code {proc.returncode})")
+                return exit_engine(state, f"vLLM exited during start-up (exit code {proc.returncode})")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(state.vllm_url + "/health", timeout=5)).status_code == 200:
                     break
             if time.monotonic() - started > settings.start_timeout_s:
-                return _exit(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
+                return exit_engine(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
         state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
         with contextlib.suppress(WorkerError, httpx.HTTPError):  # reported on /health; serving goes on without it
@@ -392,18 +235,24 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
                  settings.model, state.gate.version,
                  f"loads each new version of run {settings.policy_run!r} from {TOPICS.policy.name} at "
                  f"{settings.bootstrap}" if settings.bootstrap else "follows no policy topic")
-        watch = asyncio.create_task(_watch_process(state, proc))
+        follower = None
+        if settings.bootstrap:
+            def served() -> tuple[int, str]:
+                return state.gate.version, state.checkpoint
+
+            follower = supervise(follow(settings.bootstrap, settings.policy_run, served,
+                                        functools.partial(load_version, state), state.follower,
+                                        settings.load_interval_s), state.follower)
         try:
-            if settings.bootstrap:
-                from forge_stream.engine.vllm_load import follow_policy  # it imports this module's EngineState
-                await follow_policy(state)
-            else:
-                await watch
+            await _watch_process(state, proc)
         finally:
-            watch.cancel()
+            if follower is not None:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
 
 
 async def _watch_process(state: EngineState, proc: subprocess.Popen) -> None:
     while proc.poll() is None:
         await asyncio.sleep(1.0)
-    _exit(state, f"vLLM exited (exit code {proc.returncode})")
+    exit_engine(state, f"vLLM exited (exit code {proc.returncode})")

@@ -14,8 +14,9 @@ new adapter's name and labelled with its version, whatever model name the agent 
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
 already running keep their adapter), so vLLM holds at most two: the served one and one being proven. Its held folder
 is kept until the next switch, so vLLM can read it again for a request still running. An adapter that cannot be
-read or proven is unloaded again and never announced: the last proven version stays served. A version whose adapter
-is the served one byte for byte (a trainer step that changed no weight) is announced on the served adapter.
+read or proven is unloaded again and never announced (the failure is raised for forge_stream.engine.follower to
+log): the last proven version stays served. A version whose adapter is the served one byte for byte (a trainer step
+that changed no weight) is announced on the served adapter.
 """
 
 from __future__ import annotations
@@ -30,49 +31,48 @@ import httpx
 import torch
 
 from forge_stream import lora
-from forge_stream.engine.vllm_engine import EngineState
+from forge_stream.engine.follower import Applied, NotServed
+from forge_stream.engine.probe import probe_ids
 from forge_stream.engine.vllm_holds import weights_fingerprint
-from forge_stream.engine.vllm_probe import probe_ids, probe_next, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_probe import probe_next, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_state import EngineState
 from forge_stream.engine.vllm_sync import WorkerError
 
 log = logging.getLogger(__name__)
 
 
-async def load_adapter(state: EngineState, checkpoint: str, held: Path, version: int, began: float) -> bool:
-    """Serve the adapter in `held` (this engine's hold of `checkpoint`) as `version`; True if it serves it now."""
+async def load_adapter(state: EngineState, checkpoint: str, held: Path, version: int, began: float) -> Applied:
+    """Serve the adapter in `held` (this engine's hold of `checkpoint`) as `version`; raises if it is not served
+    (the caller removes `held`), with nothing of it left in vLLM."""
     settings = state.settings
     current = state.adapters.get(state.gate.version)
-    try:
-        fingerprint = await asyncio.to_thread(weights_fingerprint, held)
-        if current is not None and fingerprint == state.fingerprint:  # a step that changed no weight
-            return _rename(state, checkpoint, held, version, current, began)
-        ids = probe_ids(vocab_size(held))
-        if settings.probe and state.resident is None:  # the probe's base model, read at the first adapter, kept
-            state.resident = lora.ResidentBase(getattr(torch, settings.dtype))
-        expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings, state.resident)
-                    if settings.probe else None)
-    except (OSError, ValueError) as exc:
-        return _failed(state, held, version, checkpoint, f"cannot read it ({exc})")
+    fingerprint = await asyncio.to_thread(weights_fingerprint, held)
+    if current is not None and fingerprint == state.fingerprint:  # a step that changed no weight
+        return _rename(state, checkpoint, held, version, current, began)
+    ids = probe_ids(vocab_size(held))
+    if settings.probe and state.resident is None:  # the probe's base model, read at the first adapter, kept
+        state.resident = lora.ResidentBase(getattr(torch, settings.dtype))
+    expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings, state.resident)
+                if settings.probe else None)
     name = f"policy-v{version}-{held.name.rsplit('-', 1)[-1]}"
     loading = time.monotonic()
     try:
         await _lora_call(state, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
-    except (WorkerError, httpx.HTTPError) as exc:
-        return _failed(state, held, version, checkpoint, f"vLLM did not load it ({exc})")
+    except Exception as exc:
+        raise NotServed(f"LoRA adapter: vLLM did not load it ({type(exc).__name__}: {exc})") from exc
     loaded = time.monotonic() - loading
     try:
         mismatch = await probe_next(state, ids, expected, name) if expected is not None else None
-    except (WorkerError, httpx.HTTPError) as exc:
+    except Exception as exc:
         await _unload(state, name)
-        return _failed(state, held, version, checkpoint, f"it was not proven ({exc})")
+        raise NotServed(f"LoRA adapter: it was not proven ({type(exc).__name__}: {exc})") from exc
     _switch(state, checkpoint, held, version, name, fingerprint, mismatch)
     if current is not None:
         await _unload(state, current)
-    log.info("serving policy version %s from %s: LoRA adapter %s (%d bytes) loaded in %.3fs, probe log-probs "
-             "within %s of peft's; no request held; %.2fs in all", version, checkpoint, name,
-             lora.weight_bytes(held), loaded, f"{mismatch:.1e}" if mismatch is not None else "(no probe)",
-             time.monotonic() - began)
-    return True
+    within = f"{mismatch:.1e}" if mismatch is not None else "(no probe)"
+    return Applied(True, f"LoRA adapter {name} ({lora.weight_bytes(held)} bytes) loaded in {loaded:.3f}s, probe "
+                         f"log-probs within {within} of peft's; no request held; "
+                         f"{time.monotonic() - began:.2f}s in all")
 
 
 def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name: str, fingerprint: str | None,
@@ -83,30 +83,20 @@ def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name:
     state.retired = state.serving
     state.adapters = {version: name}
     state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
-    state.loads, state.last_mismatch = state.loads + 1, mismatch
+    state.last_mismatch = mismatch
     state.gate.reopen(version)
 
 
-def _rename(state: EngineState, checkpoint: str, held: Path, version: int, name: str, began: float) -> bool:
+def _rename(state: EngineState, checkpoint: str, held: Path, version: int, name: str, began: float) -> Applied:
     """Announce `version`, whose adapter is the served one byte for byte, on the served adapter: no load, and vLLM
     keeps the folder it loaded the adapter from."""
     shutil.rmtree(held, ignore_errors=True)
     previous = state.gate.version
     state.adapters = {version: name}
-    state.checkpoint, state.renamed = checkpoint, state.renamed + 1
+    state.checkpoint = checkpoint
     state.gate.reopen(version)
-    log.info("serving policy version %s from %s: its adapter is version %s's, byte for byte (a step that changed no "
-             "weight), so it is announced on adapter %s without a load (%.2fs)", version, checkpoint, previous, name,
-             time.monotonic() - began)
-    return True
-
-
-def _failed(state: EngineState, held: Path, version: int, checkpoint: str, why: str) -> bool:
-    shutil.rmtree(held, ignore_errors=True)
-    state.failed_loads += 1
-    log.warning("LoRA policy version %s at %s is not served: %s; still serving version %s", version, checkpoint, why,
-                state.gate.version)
-    return False
+    return Applied(False, f"its adapter is version {previous}'s, byte for byte (a step that changed no weight), so it "
+                          f"is announced on adapter {name} without a load ({time.monotonic() - began:.2f}s)")
 
 
 async def _lora_call(state: EngineState, path: str, body: dict) -> None:

@@ -172,7 +172,8 @@ class VllmControl:
 
     async def load(self, checkpoint_dir: str, version: int) -> Proof:
         """Pause, reload from `checkpoint_dir`, prove it, announce `version`, resume. On any failure the server
-        is resumed (best effort) still announcing its previous version, and WorkerError is raised."""
+        is resumed (best effort) still announcing its previous version, and the failure is raised (WorkerError:
+        a step or the proof)."""
         if self.served is None:
             self.served = await self.checksums()
         paused = False
@@ -186,7 +187,7 @@ class VllmControl:
             for step in announce_plan(version, self.reset_external):
                 await self.call(step)
             paused = False
-        except (WorkerError, httpx.HTTPError, OSError):
+        except Exception:  # whatever failed (vLLM, reading the checkpoint, parsing an answer): vLLM serves again
             if paused:
                 await self.resume()
             raise

@@ -1,6 +1,6 @@
 """Follow one topic from its beginning without a consumer group, in an asyncio service (aiokafka): how every
-engine replica (forge_stream.engine.policy_watch) and every vLLM engine (forge_stream.engine.vllm_engine) read
-forge.policy, so that each of them sees every record.
+engine replica, torch or vLLM, reads forge.policy (forge_stream.engine.follower), so that each of them sees every
+record.
 
 `Follower` starts once Kafka answers, retrying while it does not (the caller serves on meanwhile). It hands over
 the decoded records carrying one key (the training run), poll by poll (`next`), or the whole history up to the end
@@ -43,6 +43,9 @@ class Follower:
                 await consumer.stop()
                 await asyncio.sleep(self.retry_s)
                 continue
+            except BaseException:  # e.g. an address aiokafka cannot parse: the caller's to report
+                await consumer.stop()
+                raise
             self._consumer = consumer
             return self
 

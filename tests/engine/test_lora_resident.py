@@ -7,9 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forge_stream import lora
-from forge_stream.engine.vllm_engine import VllmEngineSettings
-from forge_stream.engine.vllm_probe import probe_ids, reference_logprobs
+from forge_stream.engine.probe import probe_ids
+from forge_stream.engine.vllm_probe import reference_logprobs
 from forge_stream.engine.vllm_runtime import VllmRuntime
+from forge_stream.engine.vllm_state import VllmEngineSettings
 
 from helpers import adapter_version
 

@@ -43,7 +43,8 @@ def test_adapter_versions_are_served_under_their_version_and_a_corrupt_one_is_sk
         print(f"torch engine: adapter version 1 ({lora.weight_bytes(good)} bytes) published -> first answer under it "
               f"in {took:.2f}s")
         publish_adapter_version(kafka_bootstrap, run, 2, corrupt)
-        until(lambda: "cannot load policy version 2" in log.read_text(), 60, "the corrupt version was not rejected")
+        until(lambda: f"policy version 2 at {corrupt} is not served" in log.read_text(), 60,
+              "the corrupt version was not rejected")
         kept = _answer(engine.url, prompt)
         publish_adapter_version(kafka_bootstrap, run, 3, later)
         until(lambda: _answer(engine.url, prompt)["policy_version"] == 3, 60, "version 3 not served")

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from forge_stream.engine.vllm_engine import VersionGate
-from forge_stream.engine.vllm_probe import probe_ids
+from forge_stream.engine.probe import probe_ids
 from forge_stream.engine.vllm_holds import (HOLDS_PREFIX, hold_checkpoint, remove_orphaned_holds,
                                             weights_fingerprint)
+from forge_stream.engine.vllm_state import VersionGate
 from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
                                            load_plan, prove)
 from forge_stream.proc import alive
@@ -145,21 +145,21 @@ def test_the_vllm_child_ends_with_its_front(tmp_path):
 
 
 def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_path):
-    """`_exit` (a version that cannot be loaded back): vLLM stopped, then the process gone with exit code 3 for its
+    """`exit_engine` (a version that cannot be loaded back): vLLM stopped, then the process gone with exit code 3 for its
     supervisor to restart, not a graceful shutdown waiting on requests held at a closed gate."""
     pid_file = tmp_path / "child.pid"
     front = subprocess.run([sys.executable, "-c", (
         "import asyncio, sys\n"
         "from pathlib import Path\n"
         "from forge_stream.proc import start_process\n"
-        "from forge_stream.engine import vllm_engine as ve\n"
+        "from forge_stream.engine import vllm_state as ve\n"
         "child = start_process([sys.executable, '-c', 'import time; time.sleep(120)'], new_session=True)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         f"holds = Path({str(tmp_path / 'held')!r}); holds.mkdir()\n"
         "state = ve.EngineState(settings=None, gate=ve.VersionGate(4), holds=holds, proc=child)\n"
         "async def main():\n"
         "    await state.gate.enter()  # a request held forever\n"
-        "    ve._exit(state, 'vLLM could not load version 4 back either')\n"
+        "    ve.exit_engine(state, 'vLLM could not load version 4 back either')\n"
         "asyncio.run(main())\n"
         "print('still running')\n")], capture_output=True, text=True, timeout=60)
     assert front.returncode == 3, front.stdout + front.stderr

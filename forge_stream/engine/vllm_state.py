@@ -1,0 +1,188 @@
+"""What the modules of `forge-stream engine vllm` share: its settings (and the vLLM command line they make), the
+version gate its requests pass, the engine's state, and how the process ends when vLLM cannot go on.
+forge_stream.engine.vllm_engine (the front), forge_stream.engine.vllm_load, forge_stream.engine.vllm_lora and
+forge_stream.engine.vllm_probe (moving vLLM to a policy version, and proving it) build on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
+from forge_stream.engine.follower import FollowerStatus
+from forge_stream.engine.vllm_runtime import VllmRuntime
+from forge_stream.engine.vllm_sync import VllmControl
+
+if TYPE_CHECKING:
+    from forge_stream.lora import ResidentBase
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU attention takes KV blocks of a multiple of 32 tokens and defaults to 128; the prefix cache reuses whole
+# blocks only, so an agent's next turn recomputes up to 127 tokens of what it sent before (SmolLM2 in bench learning:
+# 52% of prompt tokens cached at 128, 92% at 32)
+CPU_BLOCK_SIZE = 32
+MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The least --max-lora-rank vLLM takes that holds adapters of `rank`.
+
+    >>> vllm_lora_rank(1), vllm_lora_rank(4), vllm_lora_rank(8)
+    (1, 8, 8)
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at most, not {rank}")
+
+
+@dataclass(frozen=True)
+class VllmEngineSettings:
+    model: str
+    runtime: VllmRuntime
+    cache_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8100
+    vllm_port: int = 0  # vLLM's private port on 127.0.0.1
+    served_model_name: str | None = None
+    policy_version: int = 0
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    kv_cache_gib: int = 2
+    block_size: int | None = None  # tokens per KV block, the prefix cache's granularity; None: CPU_BLOCK_SIZE on
+    # CPU hosts, vLLM's own on GPUs
+    tool_call_parser: str = "hermes"
+    probe: bool = True
+    load_interval_s: float = 0.0  # the least time from the end of one load to the start of the next
+    mq_poll_s: float | None = None  # how vLLM's step queue waits (vllm_env); None: polled on CPU hosts, spun on GPUs
+    start_timeout_s: float = 900.0
+    extra_args: tuple[str, ...] = ()
+    bootstrap: str | None = None
+    policy_run: str = "default"
+    token: str | None = None  # with it, every route but /health needs it as a bearer token
+    lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
+
+    def __post_init__(self):
+        refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def kv_connector(self) -> bool:
+        """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
+        return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
+
+    def vllm_argv(self) -> list[str]:
+        argv = [str(self.runtime.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.vllm_port),
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+                "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
+                "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+                "--worker-extension-cls", "forge_worker.ForgeWorkerExtension"]
+        block_size = self.block_size or (CPU_BLOCK_SIZE if self.runtime.target == "cpu" else None)
+        if block_size:
+            argv += ["--block-size", str(block_size)]
+        if self.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.lora_rank:
+            argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
+                     "--max-loras", str(MAX_LORAS)]
+        return argv + list(self.extra_args)
+
+
+class VersionGate:
+    """Requests pass while the gate is open, each under the version then served; `close` waits until the requests
+    in flight have ended and holds new ones until `reopen(version)`."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.in_flight = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def enter(self) -> int:
+        while not self._open.is_set():
+            await self._open.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        return self.version
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def close(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self, version: int) -> None:
+        self.version = version
+        self._open.set()
+
+
+@dataclass
+class EngineState:
+    settings: VllmEngineSettings
+    gate: VersionGate
+    holds: Path  # this engine's folder of held checkpoints (see hold_checkpoint)
+    http: aiohttp.ClientSession | None = None
+    control: VllmControl | None = None
+    proc: subprocess.Popen | None = None
+    checkpoint: str = ""  # the served version's checkpoint, as the trainer published it
+    serving: str = ""  # the folder vLLM loaded it from: the start-up model, or a held copy
+    ready: bool = False
+    follower: FollowerStatus = field(default_factory=FollowerStatus)  # loads, failures; None running: not ok
+    fingerprint: str | None = None  # of the served weights (weights_fingerprint), once computed
+    last_mismatch: float | None = None
+    mq_poll_s: list[float | None] | None = None  # each worker's, read back once at start-up
+    adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
+    retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
+    resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.vllm_port}"
+
+
+def stop_vllm(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def exit_engine(state: EngineState, reason: str) -> None:
+    """End this process now, vLLM first (its supervisor restarts it, and with it a fresh vLLM). Not a graceful
+    shutdown: that would wait for the requests held at a closed gate, which may never open again."""
+    log.error("%s; stopping the engine so that it starts afresh", reason)
+    if state.proc is not None:
+        stop_vllm(state.proc)
+    shutil.rmtree(state.holds, ignore_errors=True)
+    logging.shutdown()
+    os._exit(3)
+
