@@ -207,6 +207,7 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
             "--port", str(port), "--bootstrap-servers", settings.bootstrap,
             "--max-batch-size", str(opts.get("max_batch_size", 64)), "--wait-for-kafka",
             *_flags(opts, VLLM_OPTIONS),
+            "--checkpoint-dir", str(opts.get("checkpoint_dir", settings.checkpoint_dir)),
             *(["--host", str(opts["bind"])] if "bind" in opts else []),
             *(f"--vllm-arg={a}" for a in opts.get("vllm_args", ())),
             health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",

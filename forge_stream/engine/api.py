@@ -6,7 +6,8 @@ invalid requests are 400 (as vLLM), not FastAPI's 422; an unexpected error is 50
 the error itself (that goes to the log).
 
 With a token (EngineSettings.token) every route but /health needs it. `load_weights` loads only a directory
-inside the engine's checkpoint directory (symbolic links resolved first); without one it loads nothing.
+inside the engine's checkpoint directory (symbolic links resolved first), as the forge.policy follower does: both
+go through EngineService.load_weights.
 
 The generation routes read their own bodies under the engine's limits (size while reading, JSON depth), and
 parse, validate and tokenize them on the engine's preparing thread, so a large request never stalls the event
@@ -20,8 +21,6 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-
-from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -99,19 +98,7 @@ async def health(request: Request) -> HealthResponse:
 
 @router.post("/v1/admin/load_weights", response_model=LoadWeightsResponse)
 async def load_weights(body: LoadWeightsRequest, request: Request) -> LoadWeightsResponse:
-    engine = _engine(request)
-    return await engine.load_weights(checkpoint_path(engine.settings.checkpoint_dir, body.path), body.version)
-
-
-def checkpoint_path(checkpoint_dir: str | None, path: str) -> str:
-    """`path` resolved (symbolic links followed), if it lies inside `checkpoint_dir`; 403 otherwise."""
-    if checkpoint_dir is None:
-        raise EngineRequestError("This engine loads no weights over HTTP (it was started without "
-                                 "--checkpoint-dir); it follows forge.policy.", status=403, param="path")
-    root, target = Path(checkpoint_dir).resolve(), Path(path).resolve()
-    if not target.is_relative_to(root):
-        raise EngineRequestError("The path is outside the engine's checkpoint directory.", status=403, param="path")
-    return str(target)
+    return await _engine(request).load_weights(body.path, body.version)
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:

@@ -1,7 +1,7 @@
 """`forge-stream engine vllm`: real vLLM as a forge-stream rollout engine.
 
 One process per vLLM server. It starts `vllm.entrypoints.openai.api_server` from the vLLM runtime
-(forge_stream.engine.vllm_runtime) on a private loopback port, with dev control routes on, and serves in front of
+(forge_stream.engine.vllm_runtime) on a private Unix socket, with dev control routes on, and serves in front of
 it the engine protocol the gateway speaks to the torch engine: `/v1/chat/completions`, `/v1/completions`,
 `/v1/models`, `/health`. What it adds to vLLM's answers, and why it sits in front:
 
@@ -35,9 +35,13 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   whose waits spin (for a second after every message), so under load both spin all the time: on 2 cores, one core
   taken from the trainer. On CPU hosts forge-stream's runtime makes them poll the queue every `mq_poll_s` (0.5 ms)
   instead (vllm_ext/sitecustomize.py), and reads each worker's setting back into /health.
-- **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
-  token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
-  start without one.
+- **vLLM's control routes stay private**: vLLM listens on no TCP port, only on a Unix socket (`vllm.sock`, mode
+  0600) in a folder of this process's own (`<cache>/engine-vllm-<pid>-*`, mode 0700), so no other user's process
+  can reach `/collective_rpc`, `/pause` or a reload (vLLM's `--api-key` would guard only its `/v1` routes); every
+  call of this front goes over that socket. The front exposes no control route. With a token (FORGE_ENGINE_TOKEN)
+  the front needs it on every route but /health, and bound beyond loopback it refuses to start without one.
+- **Weights only from the checkpoint store**: a forge.policy record whose checkpoint lies outside `checkpoint_dir`
+  (symbolic links resolved) is logged and not loaded, the rule of the torch engine (forge_stream.files.in_store).
 """
 
 from __future__ import annotations
@@ -66,9 +70,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from forge_stream.credentials import ENGINE_ENV, RequireBearer, refuse_open_bind
-from forge_stream.engine.vllm_holds import HOLDS_PREFIX, remove_orphaned_holds
+from forge_stream.engine.vllm_holds import HOLDS_PREFIX
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+from forge_stream.files import remove_orphaned
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
 
@@ -81,6 +86,9 @@ log = logging.getLogger(__name__)
 # blocks only, so an agent's next turn recomputes up to 127 tokens of what it sent before (SmolLM2 in bench learning:
 # 52% of prompt tokens cached at 128, 92% at 32)
 CPU_BLOCK_SIZE = 32
+VLLM_URL = "http://vllm"  # vLLM's server, over its Unix socket (the host name is not used)
+PRIVATE_PREFIX = "engine-vllm-"  # + the engine's pid: the folder of vLLM's socket in the cache directory
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (Linux: 108 with the final NUL)
 MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
 
@@ -104,7 +112,6 @@ class VllmEngineSettings:
     cache_dir: Path
     host: str = "127.0.0.1"
     port: int = 8100
-    vllm_port: int = 0  # vLLM's private port on 127.0.0.1
     served_model_name: str | None = None
     policy_version: int = 0
     dtype: str = "float32"
@@ -123,6 +130,7 @@ class VllmEngineSettings:
     policy_run: str = "default"
     token: str | None = None  # with it, every route but /health needs it as a bearer token
     lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
+    checkpoint_dir: str | None = None  # the checkpoint store: forge.policy records load only from inside it
 
     def __post_init__(self):
         refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
@@ -136,9 +144,10 @@ class VllmEngineSettings:
         """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
         return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
 
-    def vllm_argv(self) -> list[str]:
+    def vllm_argv(self, socket: Path) -> list[str]:
+        """vLLM's server command, listening on the Unix socket `socket` only."""
         argv = [str(self.runtime.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.vllm_port),
+                "--served-model-name", self.name, "--uds", str(socket),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
                 "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
@@ -192,6 +201,7 @@ class EngineState:
     settings: VllmEngineSettings
     gate: VersionGate
     holds: Path  # this engine's folder of held checkpoints (see hold_checkpoint)
+    private: Path | None = None  # this engine's folder (mode 0700) of vLLM's socket, once made
     http: aiohttp.ClientSession | None = None
     control: VllmControl | None = None
     proc: subprocess.Popen | None = None
@@ -209,9 +219,13 @@ class EngineState:
     retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
     resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
+    vllm_url: str = VLLM_URL
+
     @property
-    def vllm_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.vllm_port}"
+    def socket(self) -> Path:
+        """vLLM's Unix socket: the only way to reach its server."""
+        assert self.private is not None, "vLLM's folder is made when the app starts"
+        return self.private / "vllm.sock"
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -277,13 +291,20 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.cache_dir.mkdir(parents=True, exist_ok=True)
-        remove_orphaned_holds(settings.cache_dir)
+        for prefix in (HOLDS_PREFIX, PRIVATE_PREFIX):
+            remove_orphaned(settings.cache_dir, prefix)
         state.holds = Path(tempfile.mkdtemp(prefix=f"{HOLDS_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
-        proc = state.proc = _start_vllm(settings)
+        state.private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
+        os.chmod(state.private, 0o700)  # mkdtemp's mode already; said here, as it is what keeps vLLM private
+        if len(os.fsencode(state.socket)) > SOCKET_PATH_MAX:
+            raise RuntimeError(f"vLLM's socket path {state.socket} is longer than a Unix socket's {SOCKET_PATH_MAX} "
+                               "bytes: set FORGE_CACHE_DIR to a shorter folder")
+        proc = state.proc = _start_vllm(settings, state.socket)
         # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a
         # request sent on one it is closing fails (aiohttp keeps them 15 s by default)
         state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                           connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+                                           connector=aiohttp.UnixConnector(str(state.socket), limit=1024,
+                                                                           keepalive_timeout=2.0),
                                            read_bufsize=1 << 24)
         tasks = [asyncio.create_task(_bring_up(state, proc))]
         try:
@@ -295,7 +316,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
                     await task
             await state.http.close()
             _stop(proc)
-            shutil.rmtree(state.holds, ignore_errors=True)
+            _remove_folders(state)
 
     app = FastAPI(title="forge-stream vLLM engine", lifespan=lifespan)
     app.state.engine = state
@@ -329,10 +350,10 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     return app
 
 
-def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
-    log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
-             " ".join(settings.vllm_argv()[3:]))
-    return start_process(settings.vllm_argv(), new_session=True, preexec_fn=_end_with_parent,
+def _start_vllm(settings: VllmEngineSettings, socket: Path) -> subprocess.Popen:
+    argv = settings.vllm_argv(socket)
+    log.info("starting vLLM (%s) on unix socket %s: %s", settings.runtime.path, socket, " ".join(argv[3:]))
+    return start_process(argv, new_session=True, preexec_fn=_end_with_parent,
                          env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib,
                                       settings.mq_poll_s, lora=settings.lora_rank > 0))
 
@@ -359,13 +380,20 @@ def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait()
 
 
+def _remove_folders(state: EngineState) -> None:
+    """This engine's held checkpoints and vLLM's socket folder (the next engine removes them if it was killed)."""
+    shutil.rmtree(state.holds, ignore_errors=True)
+    if state.private is not None:
+        shutil.rmtree(state.private, ignore_errors=True)
+
+
 def _exit(state: EngineState, reason: str) -> None:
     """End this process now, vLLM first (its supervisor restarts it, and with it a fresh vLLM). Not a graceful
     shutdown: that would wait for the requests held at a closed gate, which may never open again."""
     log.error("%s; stopping the engine so that it starts afresh", reason)
     if state.proc is not None:
         _stop(state.proc)
-    shutil.rmtree(state.holds, ignore_errors=True)
+    _remove_folders(state)
     logging.shutdown()
     os._exit(3)
 
@@ -373,7 +401,7 @@ def _exit(state: EngineState, reason: str) -> None:
 async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
     settings = state.settings
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, transport=httpx.AsyncHTTPTransport(uds=str(state.socket))) as client:
         while True:
             if proc.poll() is not None:
                 return _exit(state, f"vLLM exited during start-up (exit code {proc.returncode})")
@@ -383,6 +411,7 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
             if time.monotonic() - started > settings.start_timeout_s:
                 return _exit(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
+        os.chmod(state.socket, 0o600)  # vLLM binds it under its umask; the folder's 0700 kept it private until now
         state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
         with contextlib.suppress(WorkerError, httpx.HTTPError):  # reported on /health; serving goes on without it
             state.mq_poll_s = await state.control.mq_poll()

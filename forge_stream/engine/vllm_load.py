@@ -26,6 +26,7 @@ from forge_stream.engine.vllm_holds import hold_checkpoint, weights_fingerprint
 from forge_stream.engine.vllm_lora import load_adapter
 from forge_stream.engine.vllm_probe import probe, probe_ids, reference_logprobs, vocab_size
 from forge_stream.engine.vllm_sync import Call, WorkerError
+from forge_stream.files import in_store
 from forge_stream.kafka.follow import Follower
 from forge_stream.topics import TOPICS
 
@@ -55,9 +56,16 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> boo
     """Move vLLM to `version` (see the module docstring); True if it serves it now."""
     settings = state.settings
     began = time.monotonic()
+    source = in_store(settings.checkpoint_dir, checkpoint)
+    if source is None:
+        state.failed_loads += 1
+        log.warning("policy version %s at %s is outside the engine's checkpoint directory (--checkpoint-dir %s): not "
+                    "loaded; still serving version %s", version, checkpoint, settings.checkpoint_dir,
+                    state.gate.version)
+        return False
     held = None
     try:
-        held = await asyncio.to_thread(hold_checkpoint, checkpoint, state.holds, version)
+        held = await asyncio.to_thread(hold_checkpoint, str(source), state.holds, version)
         if lora.is_adapter(held):
             return await load_adapter(state, checkpoint, held, version, began)
         fingerprint = await asyncio.to_thread(weights_fingerprint, held)

@@ -1,8 +1,12 @@
-"""An engine started with --bootstrap-servers loads each newer PolicyVersion published on forge.policy."""
+"""An engine started with --bootstrap-servers loads each newer PolicyVersion published on forge.policy whose checkpoint
+lies in its checkpoint store (--checkpoint-dir)."""
 
+import shutil
 import time
+from pathlib import Path
 
 import httpx
+from helpers import until
 
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.process import EngineProcess
@@ -24,40 +28,48 @@ def _version(url):
     return httpx.get(f"{url}/health", timeout=5).json()["policy_version"]
 
 
-def test_engine_follows_forge_policy(kafka_bootstrap, tiny_model_dir, tiny_model_dir_v1, tmp_path, run_id):
+def _logged(log: Path, text: str) -> None:
+    until(lambda: text in log.read_text(), 60, lambda: f"{text!r} not in the engine's log:\n{log.read_text()}")
+
+
+def test_engine_follows_forge_policy_from_its_checkpoint_store(kafka_bootstrap, tiny_model_dir, tiny_model_dir_v1,
+                                                               tmp_path, run_id):
     producer = EventProducer(kafka_bootstrap)
+    store, log = tmp_path / "checkpoints", tmp_path / "engine.log"
+    inside = shutil.copytree(tiny_model_dir_v1, store / "v1")
     # whatever earlier tests published, publish a version above it
     version = 1000 + int(time.time()) % 100000
-    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap,
-                                                        "--policy-version", str(version - 1)),
-                       log_path=tmp_path / "engine.log") as engine:
+
+    def publish(run: str, key: str, version: int, checkpoint) -> None:
+        producer.send_sync(TOPICS.policy, run, {"event_id": run_id + key, "event_time": 0, "version": version,
+                                                "step": 1, "checkpoint_uri": str(checkpoint), "base_model": "tiny"})
+
+    with EngineProcess(str(tiny_model_dir), log_path=log, extra_args=(
+            "--bootstrap-servers", kafka_bootstrap, "--policy-version", str(version - 1),
+            "--checkpoint-dir", str(store))) as engine:
         assert _version(engine.url) == version - 1
-        producer.send_sync(TOPICS.policy, "another-run", {
-            "event_id": run_id + "x", "event_time": 0, "version": version + 5, "step": 1,
-            "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
+        publish("another-run", "x", version + 5, inside)
+        # a checkpoint outside the store is refused by the rule of /v1/admin/load_weights: logged, not loaded
+        publish("default", "outside", version, tiny_model_dir_v1)
+        _logged(log, f"cannot load policy version {version} (The path is outside the engine's checkpoint directory")
         # a version whose checkpoint is gone (rotated away by the trainer) is skipped, the follower lives on
-        producer.send_sync(TOPICS.policy, "default", {
-            "event_id": run_id + "gone", "event_time": 0, "version": version, "step": 1,
-            "checkpoint_uri": str(tmp_path / "rotated-away"), "base_model": "tiny"})
-        time.sleep(2)
+        publish("default", "gone", version, store / "rotated-away")
+        _logged(log, f"cannot load policy version {version} (No checkpoint directory at")
         assert _version(engine.url) == version - 1
-        producer.send_sync(TOPICS.policy, "default", {
-            "event_id": run_id, "event_time": 0, "version": version, "step": 1,
-            "checkpoint_uri": str(tiny_model_dir_v1), "base_model": "tiny"})
-        deadline = time.monotonic() + 60
-        while _version(engine.url) != version and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _version(engine.url) == version  # not version + 5: that was another run's
+        publish("default", "", version, inside)
+        until(lambda: _version(engine.url) == version, 60, "the version inside the store was not loaded")
         reply = httpx.post(f"{engine.url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}, timeout=30).json()
-        assert reply["policy_version"] == version
+        assert reply["policy_version"] == version  # not version + 5: that was another run's
     producer.close()
     # its log says what it serves and follows, and each version it loaded or could not load, dated
-    lines = (tmp_path / "engine.log").read_text().splitlines()
+    lines = log.read_text().splitlines()
     ready = [line for line in lines if "INFO forge_stream.engine.api: engine ready (pid " in line]
     assert len(ready) == 1 and f"at policy version {version - 1} (cpu, float32); loads each new version of run " \
         f"'default' from {TOPICS.policy.name} at {kafka_bootstrap}" in ready[0], lines
-    assert any(f"WARNING forge_stream.engine.policy_watch: cannot load policy version {version} " in line
-               for line in lines), lines
-    assert any(f"INFO forge_stream.engine.policy_watch: loaded policy version {version} from {tiny_model_dir_v1} in "
+    refused = [line for line in lines if f"WARNING forge_stream.engine.policy_watch: cannot load policy version "
+               f"{version} " in line]
+    assert any("outside the engine's checkpoint directory" in line for line in refused), refused
+    assert not any(f"loaded policy version {version} from {tiny_model_dir_v1}" in line for line in lines), lines
+    assert any(f"INFO forge_stream.engine.policy_watch: loaded policy version {version} from {inside} in "
                in line for line in lines), lines
