@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from forge_stream import httpbody
@@ -34,11 +34,10 @@ from forge_stream.engine.policy_watch import watch_policy
 from forge_stream.engine.serving import EngineRequestError, EngineService
 from forge_stream.engine.serving_chat import ChatServing
 from forge_stream.engine.serving_completion import CompletionServing
+from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
     HealthResponse,
     LoadWeightsRequest,
     LoadWeightsResponse,
@@ -101,9 +100,8 @@ async def load_weights(body: LoadWeightsRequest, request: Request) -> LoadWeight
     return await _engine(request).load_weights(body.path, body.version)
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+def _error(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    return Response(error_body(status, message, kind, param), status_code=status, media_type="application/json")
 
 
 def create_app(engine: EngineService, policy_bootstrap: str | None = None, policy_run: str = "default") -> FastAPI:
@@ -136,23 +134,23 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
     app.include_router(router)
 
     @app.exception_handler(EngineRequestError)
-    async def _engine_error(_: Request, exc: EngineRequestError) -> JSONResponse:
+    async def _engine_error(_: Request, exc: EngineRequestError) -> Response:
         kind = "BadRequestError" if exc.status < 500 else "InternalServerError"
         kind = {403: "PermissionDeniedError", 404: "NotFoundError"}.get(exc.status, kind)
         return _error(exc.status, exc.message, kind, exc.param)
 
     @app.exception_handler(httpbody.BodyRejected)
-    async def _body_rejected(_: Request, exc: httpbody.BodyRejected) -> JSONResponse:
+    async def _body_rejected(_: Request, exc: httpbody.BodyRejected) -> Response:
         return _error(exc.status, exc.message, "BadRequestError", exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return _error(400, str(exc.errors()), "BadRequestError", param)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         request_id = f"req_{uuid.uuid4().hex}"
         log.error("engine error (request id %s)", request_id, exc_info=exc)
         response = _error(500, f"Internal engine error (request id {request_id}); its details are in the engine's "

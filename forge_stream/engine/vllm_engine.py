@@ -74,6 +74,7 @@ from forge_stream.engine.vllm_holds import HOLDS_PREFIX
 from forge_stream.engine.vllm_runtime import VllmRuntime, vllm_env
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
 from forge_stream.files import remove_orphaned
+from forge_stream.openai_error import error_body
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
 
@@ -228,9 +229,8 @@ class EngineState:
         return self.private / "vllm.sock"
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
+def _error(status: int, message: str, kind: str) -> Response:
+    return Response(error_body(status, message, kind), status_code=status, media_type="application/json")
 
 
 async def _relay(request: Request, path: str) -> Response:
