@@ -203,7 +203,7 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         raise ValueError(f"engine: unknown kind {kind!r}; known: {', '.join(ENGINE_KINDS)}")
     if kind == "vllm":
         return ServiceSpec.python(
-            "engine", "forge_stream", "engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
+            "engine", "forge_stream.engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
             "--port", str(port), "--bootstrap-servers", settings.bootstrap,
             "--max-batch-size", str(opts.get("max_batch_size", 64)), "--wait-for-kafka",
             *_flags(opts, VLLM_OPTIONS),

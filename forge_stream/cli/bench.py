@@ -10,8 +10,9 @@ from typing import Optional, Tuple
 import typer
 from typer.core import TyperGroup
 
-from forge_stream.cli.options import JsonOption, user_error
+from forge_stream.cli.options import JsonOption
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.startup import user_error
 from forge_stream.tasks.suite import PRETRAINED_MIX
 
 

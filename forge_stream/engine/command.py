@@ -1,11 +1,12 @@
-"""`forge-stream engine serve|vllm|install-vllm`: run a rollout engine (the local torch engine, or real vLLM) as an HTTP
-server process, and install the vLLM runtime."""
+"""`engine serve|vllm|install-vllm`: run a rollout engine (the local torch engine, or real vLLM) as an HTTP server
+process, and install the vLLM runtime. The command line's `forge-stream engine` group, and the engine process's
+own entry point, `python -m forge_stream.engine` (what `up` and EngineProcess start), which imports no other command."""
 
 import logging
 
 import typer
 
-from forge_stream.cli.options import WaitForKafkaOption, ready_kafka, user_error
+from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
 
 # idle connections stay open longer than the gateway's client keeps them (aiohttp: 15 s), so the gateway never sends a
 # request on a connection the engine is closing (uvicorn's default is 5 s)
