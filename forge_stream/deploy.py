@@ -323,7 +323,7 @@ def demo_model(cache_dir: Path, echo=print) -> Path:
     """The warm-started tiny demo model in the cache, built on first use."""
     import hashlib
 
-    from forge_stream.engine import corpus, tiny
+    from forge_stream.tiny import corpus, model as tiny
     from forge_stream.tasks import suite, teacher
     from forge_stream.trainer import sft
 

@@ -307,7 +307,7 @@ def learning(
         typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
         raise typer.Exit(2)
     try:
-        from forge_stream.engine.tiny import TinyModelSpec
+        from forge_stream.tiny.model import TinyModelSpec
 
         TinyModelSpec.sized(hidden_size, layers)
     except ValueError as exc:

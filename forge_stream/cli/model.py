@@ -27,7 +27,7 @@ def init(
 ) -> None:
     """Write a tiny model with a trained byte-level BPE tokenizer and a tool-calling chat template."""
     from forge_stream.startup import user_error
-    from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+    from forge_stream.tiny.model import TinyModelSpec, init_tiny_model
 
     try:
         spec = TinyModelSpec.sized(hidden_size, layers, arch=arch, seed=seed, vocab_size=vocab_size)
