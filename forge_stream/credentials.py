@@ -18,6 +18,8 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from forge_stream.openai_error import error_body
+
 GATEWAY_ENV = "FORGE_GATEWAY_ADMIN_TOKEN"
 ENGINE_ENV = "FORGE_ENGINE_TOKEN"
 SECRET_ENV = (GATEWAY_ENV, ENGINE_ENV)  # what an agent's environment never inherits from the controller's
@@ -112,8 +114,8 @@ class RequireBearer:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = bearer({k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]})
             if not (given and hmac.compare_digest(given.encode(), self.token.encode())):
-                body = json.dumps({"error": {"message": "This engine needs its token (Authorization: Bearer ...).",
-                                             "type": "AuthenticationError", "param": None, "code": 401}}).encode()
+                body = error_body(401, "This engine needs its token (Authorization: Bearer ...).",
+                                  "AuthenticationError")
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
                 await send({"type": "http.response.body", "body": body})

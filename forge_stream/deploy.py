@@ -203,10 +203,11 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
         raise ValueError(f"engine: unknown kind {kind!r}; known: {', '.join(ENGINE_KINDS)}")
     if kind == "vllm":
         return ServiceSpec.python(
-            "engine", "forge_stream", "engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
+            "engine", "forge_stream.engine", "vllm", "--model", str(opts.get("model", settings.model_dir)),
             "--port", str(port), "--bootstrap-servers", settings.bootstrap,
             "--max-batch-size", str(opts.get("max_batch_size", 64)), "--wait-for-kafka",
             *_flags(opts, VLLM_OPTIONS),
+            "--checkpoint-dir", str(opts.get("checkpoint_dir", settings.checkpoint_dir)),
             *(["--host", str(opts["bind"])] if "bind" in opts else []),
             *(f"--vllm-arg={a}" for a in opts.get("vllm_args", ())),
             health_url=f"http://127.0.0.1:{port}/health", url=f"http://127.0.0.1:{port}/v1",
@@ -322,7 +323,7 @@ def demo_model(cache_dir: Path, echo=print) -> Path:
     """The warm-started tiny demo model in the cache, built on first use."""
     import hashlib
 
-    from forge_stream.engine import corpus, tiny
+    from forge_stream.tiny import corpus, model as tiny
     from forge_stream.tasks import suite, teacher
     from forge_stream.trainer import sft
 

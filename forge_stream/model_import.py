@@ -111,7 +111,7 @@ def import_model(source: Path, out: Path, dtype: str = "float32", chat_template:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from forge_stream.engine.tiny import portable_tokenizer_config
+    from forge_stream.tiny.model import portable_tokenizer_config
 
     if dtype not in DTYPES:
         raise ImportFailed(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -173,7 +173,7 @@ def import_model(source: Path, out: Path, dtype: str = "float32", chat_template:
 
 def _choose_template(tokenizer, given: Path | None) -> tuple[str, str, str | None]:
     """(template, why it was chosen, the model's own template when it was replaced)."""
-    from forge_stream.engine.tiny import chat_template as forge_chatml
+    from forge_stream.tiny.model import chat_template as forge_chatml
 
     own = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     if given is not None:

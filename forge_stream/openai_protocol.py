@@ -62,17 +62,6 @@ class DeltaToolCall(OpenAIBaseModel):
     function: DeltaFunctionCall | None = None
 
 
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 # ----- chat completions ----------------------------------------------------------------------------------
 
 

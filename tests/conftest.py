@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+from forge_stream.tiny.model import TinyModelSpec, init_tiny_model
 from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings

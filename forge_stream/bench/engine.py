@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.engine.sampling import SamplingParams
 from forge_stream.engine.scheduler import LoadedModel, Request, Scheduler, TokenEvent
-from forge_stream.engine.tiny import init_tiny_model
+from forge_stream.tiny.model import init_tiny_model
 
 
 def _run_all(scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:

@@ -61,7 +61,7 @@ def run(model_dir: str | None = None, requests: int = 256, rounds: int = 2, max_
     """Start both engines on the model (default: the tiny demo model, made here), alternate phases, report."""
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         if model_dir is None:
-            from forge_stream.engine.tiny import init_tiny_model
+            from forge_stream.tiny.model import init_tiny_model
 
             model_dir = str(Path(tmp) / "tiny")
             init_tiny_model(Path(model_dir))

@@ -171,7 +171,7 @@ def _train_child(sample_path: str, model_dir: str, results) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+    from forge_stream.tiny.model import TinyModelSpec, init_tiny_model
     from forge_stream.events import decode
     from forge_stream.trainer.step import StepConfig, build_optimizer, train_step
 

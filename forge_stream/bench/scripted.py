@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from forge_stream.openai_error import error_body
+
 EOS = 256
 MODEL = "scripted"
 
@@ -201,8 +203,7 @@ class ScriptedEngine:
         elif path == "/health":
             result = b"{}"
         else:
-            return await reply_json(send, 404, b'{"error": {"message": "not found", "type": "not_found_error", '
-                                           b'"param": null, "code": 404}}')
+            return await reply_json(send, 404, error_body(404, "not found", "not_found_error"))
         if isinstance(result, list):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})

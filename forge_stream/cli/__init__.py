@@ -6,7 +6,6 @@ from forge_stream.cli import bench
 from forge_stream.cli import claims
 from forge_stream.cli import docs
 from forge_stream.cli import eval
-from forge_stream.cli import engine
 from forge_stream.cli import gateway
 from forge_stream.cli import logs
 from forge_stream.cli import model
@@ -21,6 +20,7 @@ from forge_stream.cli import tasks
 from forge_stream.cli import topics
 from forge_stream.cli import train
 from forge_stream.cli import up
+from forge_stream.engine import command as engine
 
 app = typer.Typer(no_args_is_help=True, help="forge-stream: agent RL as an event stream on Kafka.")
 app.command("up")(up.up)

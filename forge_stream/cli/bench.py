@@ -10,8 +10,9 @@ from typing import Optional, Tuple
 import typer
 from typer.core import TyperGroup
 
-from forge_stream.cli.options import JsonOption, user_error
+from forge_stream.cli.options import JsonOption
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.startup import user_error
 from forge_stream.tasks.suite import PRETRAINED_MIX
 
 
@@ -313,7 +314,7 @@ def learning(
         typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
         raise typer.Exit(2)
     try:
-        from forge_stream.engine.tiny import TinyModelSpec
+        from forge_stream.tiny.model import TinyModelSpec
 
         TinyModelSpec.sized(hidden_size, layers)
     except ValueError as exc:

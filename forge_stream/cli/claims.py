@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.startup import ready_kafka
 
 app = typer.Typer(no_args_is_help=True, help="The claim-check store of samples too large for one Kafka record.")
 

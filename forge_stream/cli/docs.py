@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import typer
 
-from forge_stream.cli.options import user_error
+from forge_stream.startup import user_error
 
 app = typer.Typer(no_args_is_help=True, help="The documentation site's generated pages and benchmark results.")
 

@@ -17,8 +17,9 @@ from typing import Optional
 import httpx
 import typer
 
-from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, reach_kafka, settings, task_source
+from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
 from forge_stream.cli.options import admin_token as deployment_token
+from forge_stream.startup import reach_kafka
 
 
 def served_versions(gateway_url: str, admin_token: str | None) -> set[int]:

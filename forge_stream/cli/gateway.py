@@ -11,8 +11,9 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings, user_error
+from forge_stream.cli.options import BootstrapOption, settings
 from forge_stream.gateway.settings import GatewaySettings
+from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
 
 _SETTINGS_ENV = "FORGE_GATEWAY_WORKER_SETTINGS"  # how `serve --workers N` hands its settings to its workers
 # A gateway call allocates a few hundred containers (the engine's parsed answer: a dict per logprob), and 64 calls

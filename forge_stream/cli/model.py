@@ -26,8 +26,8 @@ def init(
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Write a tiny model with a trained byte-level BPE tokenizer and a tool-calling chat template."""
-    from forge_stream.cli.options import user_error
-    from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+    from forge_stream.startup import user_error
+    from forge_stream.tiny.model import TinyModelSpec, init_tiny_model
 
     try:
         spec = TinyModelSpec.sized(hidden_size, layers, arch=arch, seed=seed, vocab_size=vocab_size)
@@ -47,7 +47,7 @@ def import_(
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
     """Import a model you have (GGUF or HF directory) as a forge-stream model directory; nothing comes from a hub."""
-    from forge_stream.cli.options import user_error
+    from forge_stream.startup import user_error
     from forge_stream.model_import import KNOWN, ImportFailed, fetch_known, import_model, models_dir
     from forge_stream.settings import ForgeSettings
 

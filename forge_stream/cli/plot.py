@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, reach_kafka, settings, user_error
+from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.startup import reach_kafka, user_error
 
 app = typer.Typer(no_args_is_help=True, help="Pictures of a run, drawn from the topics' history.")
 

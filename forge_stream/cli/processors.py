@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.startup import WaitForKafkaOption, ready_kafka
 
 app = typer.Typer(no_args_is_help=True, help="Stream processors: events -> trajectories, rewards, samples.")
 

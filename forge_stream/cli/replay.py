@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, reach_kafka, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
+from forge_stream.startup import reach_kafka
 
 
 def to_ms(text: Optional[str]) -> Optional[int]:

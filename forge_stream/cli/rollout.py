@@ -18,10 +18,9 @@ from typing import Optional
 import typer
 from rich.progress import Progress
 
-from forge_stream.cli.options import (
-    AdminTokenOption, BootstrapOption, JsonOption, WaitForKafkaOption, ready_kafka, settings, task_source, user_error,
-)
+from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
 from forge_stream.cli.options import admin_token as deployment_token
+from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 

@@ -42,7 +42,7 @@ def sft(
 
     base = model
     if base is None:
-        from forge_stream.engine.tiny import TinyModelSpec, init_tiny_model
+        from forge_stream.tiny.model import TinyModelSpec, init_tiny_model
 
         base = out.with_name(out.name + "-init")
         init_tiny_model(base, TinyModelSpec(seed=seed))

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, reach_kafka, settings
+from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.startup import reach_kafka
 
 app = typer.Typer(no_args_is_help=True, help="Sinks: streams to files (Parquet, TensorBoard).")
 

@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, JsonOption, reach_kafka, settings, user_error
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.kafka.admin import TopicMismatch, check_topics, create_topics, repair_topics
 from forge_stream.settings import ForgeSettings
+from forge_stream.startup import reach_kafka, user_error
 from forge_stream.topics import TOPICS, Replication
 
 app = typer.Typer(no_args_is_help=True, help="The topic catalog.")

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from forge_stream.cli.options import BootstrapOption, WaitForKafkaOption, ready_kafka, settings
+from forge_stream.cli.options import BootstrapOption, settings
+from forge_stream.startup import WaitForKafkaOption, ready_kafka
 
 
 def parse_window(text: str):

@@ -10,10 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from forge_stream import deploy
-from forge_stream.cli.options import BootstrapOption, JsonOption, kafka_unreachable, settings
+from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.services import ServiceError, Supervisor
+from forge_stream.startup import kafka_unreachable
 
 console = Console(stderr=True, soft_wrap=True)  # long paths stay whole on their line (copyable) when not on a terminal
 

@@ -1,5 +1,5 @@
-"""`python -m forge_stream.engine serve --model DIR --port P`: the engine process without the full CLI."""
+"""`python -m forge_stream.engine serve|vllm --model DIR --port P`: the engine process without the command line."""
 
-from forge_stream.cli.engine import app
+from forge_stream.engine.command import app
 
 app()

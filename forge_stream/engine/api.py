@@ -6,7 +6,8 @@ invalid requests are 400 (as vLLM), not FastAPI's 422; an unexpected error is 50
 the error itself (that goes to the log).
 
 With a token (EngineSettings.token) every route but /health needs it. `load_weights` loads only a directory
-inside the engine's checkpoint directory (symbolic links resolved first); without one it loads nothing.
+inside the engine's checkpoint directory (symbolic links resolved first), as the forge.policy follower does: both
+go through EngineService.load_weights.
 
 The generation routes read their own bodies under the engine's limits (size while reading, JSON depth), and
 parse, validate and tokenize them on the engine's preparing thread, so a large request never stalls the event
@@ -21,11 +22,9 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from pathlib import Path
-
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from forge_stream import httpbody
@@ -35,11 +34,10 @@ from forge_stream.engine.follower import Applied, FollowerStatus, NotServed, fol
 from forge_stream.engine.serving import EngineRequestError, EngineService
 from forge_stream.engine.serving_chat import ChatServing
 from forge_stream.engine.serving_completion import CompletionServing
+from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
     HealthResponse,
     LoadWeightsRequest,
     LoadWeightsResponse,
@@ -107,24 +105,11 @@ async def health(request: Request) -> HealthResponse:
 
 @router.post("/v1/admin/load_weights", response_model=LoadWeightsResponse)
 async def load_weights(body: LoadWeightsRequest, request: Request) -> LoadWeightsResponse:
-    engine = _engine(request)
-    return await engine.load_weights(checkpoint_path(engine.settings.checkpoint_dir, body.path), body.version)
+    return await _engine(request).load_weights(body.path, body.version)
 
 
-def checkpoint_path(checkpoint_dir: str | None, path: str) -> str:
-    """`path` resolved (symbolic links followed), if it lies inside `checkpoint_dir`; 403 otherwise."""
-    if checkpoint_dir is None:
-        raise EngineRequestError("This engine loads no weights over HTTP (it was started without "
-                                 "--checkpoint-dir); it follows forge.policy.", status=403, param="path")
-    root, target = Path(checkpoint_dir).resolve(), Path(path).resolve()
-    if not target.is_relative_to(root):
-        raise EngineRequestError("The path is outside the engine's checkpoint directory.", status=403, param="path")
-    return str(target)
-
-
-def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+def _error(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    return Response(error_body(status, message, kind, param), status_code=status, media_type="application/json")
 
 
 def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: FollowerStatus) -> asyncio.Task:
@@ -176,23 +161,23 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
     app.include_router(router)
 
     @app.exception_handler(EngineRequestError)
-    async def _engine_error(_: Request, exc: EngineRequestError) -> JSONResponse:
+    async def _engine_error(_: Request, exc: EngineRequestError) -> Response:
         kind = "BadRequestError" if exc.status < 500 else "InternalServerError"
         kind = {403: "PermissionDeniedError", 404: "NotFoundError"}.get(exc.status, kind)
         return _error(exc.status, exc.message, kind, exc.param)
 
     @app.exception_handler(httpbody.BodyRejected)
-    async def _body_rejected(_: Request, exc: httpbody.BodyRejected) -> JSONResponse:
+    async def _body_rejected(_: Request, exc: httpbody.BodyRejected) -> Response:
         return _error(exc.status, exc.message, "BadRequestError", exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return _error(400, str(exc.errors()), "BadRequestError", param)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         request_id = f"req_{uuid.uuid4().hex}"
         log.error("engine error (request id %s)", request_id, exc_info=exc)
         response = _error(500, f"Internal engine error (request id {request_id}); its details are in the engine's "

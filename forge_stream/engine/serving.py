@@ -23,6 +23,7 @@ from forge_stream.engine.probe import model_logprobs, not_finite, probe_ids
 from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.engine.settings import EngineSettings
+from forge_stream.files import in_store
 from forge_stream.openai_protocol import (
     HealthResponse,
     LoadWeightsResponse,
@@ -232,12 +233,14 @@ class EngineService:
                               stats={k: int(v) for k, v in vars(stats).items()})
 
     async def load_weights(self, path: str, version: int) -> LoadWeightsResponse:
-        """Load checkpoint `path` as policy `version` and serve new requests with it, once its probe log-probs are
-        finite (`_load_proven`).
+        """Load checkpoint `path` as policy `version` and serve new requests with it, if it lies inside the engine's
+        checkpoint store (`checkpoint_dir`, symbolic links resolved first: forge_stream.files.in_store; 403 if not)
+        and its probe log-probs are finite (`_load_proven`).
 
         The new model is a separate object: requests already running finish on the old one (and report the
         old version); the old model is freed when its last sequence ends.
         """
+        path = str(checkpoint_path(self.settings.checkpoint_dir, path))
         if not Path(path).is_dir():
             raise EngineRequestError(f"No checkpoint directory at {path!r}.", status=404, param="path")
         async with self._reload_lock:
@@ -250,6 +253,18 @@ class EngineService:
             self.scheduler.swap(LoadedModel(model, version, path))
             return LoadWeightsResponse(policy_version=version, previous_version=previous, path=path,
                                        load_seconds=round(time.perf_counter() - started, 4))
+
+
+def checkpoint_path(checkpoint_dir: str | None, path: str) -> Path:
+    """`path` resolved, if it lies inside `checkpoint_dir`; EngineRequestError 403 otherwise."""
+    if checkpoint_dir is None:
+        raise EngineRequestError("This engine loads no weights: it was started without a checkpoint directory "
+                                 "(--checkpoint-dir).", status=403, param="path")
+    target = in_store(checkpoint_dir, path)
+    if target is None:
+        raise EngineRequestError("The path is outside the engine's checkpoint directory (--checkpoint-dir): load "
+                                 "checkpoints from inside it.", status=403, param="path")
+    return target
 
 
 def _as_list(value) -> list:

@@ -13,7 +13,6 @@ values that cannot be enforced are refused with a 400 naming the parameter, as i
 (a constrained choice ends where its grammar does).
 """
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from forge_stream.engine.constraints import chat_format, refused_field
 from forge_stream.engine.serving import ChoiceResult, EngineRequestError, EngineService
 from forge_stream.engine.scheduler import Admitted, Failed, TokenEvent
 from forge_stream.engine.tool_calls import TOOL_CALL_START, parse_tool_calls
+from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -186,8 +186,7 @@ class ChatServing:
             elif isinstance(event, TokenEvent):
                 yield chunk([self._stream_choice(request, event, states[event.choice])])
             elif isinstance(event, Failed):
-                error = {"error": {"message": event.message, "type": "InternalServerError", "code": 500}}
-                yield f"data: {json.dumps(error)}\n\n"
+                yield f"data: {error_body(500, event.message, 'InternalServerError').decode()}\n\n"
                 break
         else:
             if request.stream_options and request.stream_options.include_usage:

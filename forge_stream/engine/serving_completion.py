@@ -8,13 +8,13 @@ chunk's new token). `policy_version` is that of the oldest weights used by any o
 """
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from forge_stream.engine.constraints import VLLM_FIELDS, refused_field
 from forge_stream.engine.sampling import SamplingParams
 from forge_stream.engine.scheduler import Admitted, Event, Failed, TokenEvent
 from forge_stream.engine.serving import ChoiceResult, EngineRequestError, EngineService
+from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -143,8 +143,7 @@ class CompletionServing:
                 versions[p_index] = event.policy_version
                 continue
             if isinstance(event, Failed):
-                error = {"error": {"message": event.message, "type": "InternalServerError", "code": 500}}
-                yield f"data: {json.dumps(error)}\n\n"
+                yield f"data: {error_body(500, event.message, 'InternalServerError').decode()}\n\n"
                 break
             assert isinstance(event, TokenEvent)
             index = p_index * n + event.choice

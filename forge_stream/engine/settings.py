@@ -11,8 +11,8 @@ class EngineSettings:
     """`model` is a HuggingFace causal-LM directory; it is also the served model name unless one is given.
 
     With `token` set every route but /health needs it as a bearer token; bound beyond loopback the engine refuses
-    to start without one (ValueError). `/v1/admin/load_weights` loads only directories inside `checkpoint_dir`
-    (none: it loads nothing; the engine still follows forge.policy).
+    to start without one (ValueError). Weights load, by `/v1/admin/load_weights` or from a forge.policy record,
+    only from directories inside `checkpoint_dir`, the checkpoint store (none: nothing loads).
     """
 
     model: str

@@ -1,7 +1,7 @@
 """`forge-stream engine vllm`: real vLLM as a forge-stream rollout engine.
 
 One process per vLLM server. It starts `vllm.entrypoints.openai.api_server` from the vLLM runtime
-(forge_stream.engine.vllm_runtime) on a private loopback port, with dev control routes on, and serves in front of
+(forge_stream.engine.vllm_runtime) on a private Unix socket, with dev control routes on, and serves in front of
 it the engine protocol the gateway speaks to the torch engine: `/v1/chat/completions`, `/v1/completions`,
 `/v1/models`, `/health`. What it adds to vLLM's answers, and why it sits in front:
 
@@ -37,9 +37,13 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   whose waits spin (for a second after every message), so under load both spin all the time: on 2 cores, one core
   taken from the trainer. On CPU hosts forge-stream's runtime makes them poll the queue every `mq_poll_s` (0.5 ms)
   instead (vllm_ext/sitecustomize.py), and reads each worker's setting back into /health.
-- **vLLM's control routes stay private**: vLLM binds 127.0.0.1 only; the front exposes no control route. With a
-  token (FORGE_ENGINE_TOKEN) the front needs it on every route but /health, and bound beyond loopback it refuses to
-  start without one.
+- **vLLM's control routes stay private**: vLLM listens on no TCP port, only on a Unix socket (`vllm.sock`, mode
+  0600) in a folder of this process's own (`<cache>/engine-vllm-<pid>-*`, mode 0700), so no other user's process
+  can reach `/collective_rpc`, `/pause` or a reload (vLLM's `--api-key` would guard only its `/v1` routes); every
+  call of this front goes over that socket. The front exposes no control route. With a token (FORGE_ENGINE_TOKEN)
+  the front needs it on every route but /health, and bound beyond loopback it refuses to start without one.
+- **Weights only from the checkpoint store**: a forge.policy record whose checkpoint lies outside `checkpoint_dir`
+  (symbolic links resolved) is logged and not loaded, the rule of the torch engine (forge_stream.files.in_store).
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -68,20 +71,22 @@ from starlette.background import BackgroundTask
 
 from forge_stream.credentials import RequireBearer
 from forge_stream.engine.follower import follow, supervise
-from forge_stream.engine.vllm_holds import HOLDS_PREFIX, remove_orphaned_holds
+from forge_stream.engine.vllm_holds import HOLDS_PREFIX
 from forge_stream.engine.vllm_load import load_version
 from forge_stream.engine.vllm_runtime import vllm_env
-from forge_stream.engine.vllm_state import EngineState, VersionGate, VllmEngineSettings, exit_engine, stop_vllm
+from forge_stream.engine.vllm_state import (PRIVATE_PREFIX, SOCKET_PATH_MAX, EngineState, VersionGate,
+                                            VllmEngineSettings, exit_engine, remove_folders, stop_vllm)
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+from forge_stream.files import remove_orphaned
+from forge_stream.openai_error import error_body
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
+def _error(status: int, message: str, kind: str) -> Response:
+    return Response(error_body(status, message, kind), status_code=status, media_type="application/json")
 
 
 async def _relay(request: Request, path: str) -> Response:
@@ -142,13 +147,20 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.cache_dir.mkdir(parents=True, exist_ok=True)
-        remove_orphaned_holds(settings.cache_dir)
+        for prefix in (HOLDS_PREFIX, PRIVATE_PREFIX):
+            remove_orphaned(settings.cache_dir, prefix)
         state.holds = Path(tempfile.mkdtemp(prefix=f"{HOLDS_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
-        proc = state.proc = _start_vllm(settings)
+        state.private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
+        os.chmod(state.private, 0o700)  # mkdtemp's mode already; said here, as it is what keeps vLLM private
+        if len(os.fsencode(state.socket)) > SOCKET_PATH_MAX:
+            raise RuntimeError(f"vLLM's socket path {state.socket} is longer than a Unix socket's {SOCKET_PATH_MAX} "
+                               "bytes: set FORGE_CACHE_DIR to a shorter folder")
+        proc = state.proc = _start_vllm(settings, state.socket)
         # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): drop ours sooner, or a
         # request sent on one it is closing fails (aiohttp keeps them 15 s by default)
         state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                           connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+                                           connector=aiohttp.UnixConnector(str(state.socket), limit=1024,
+                                                                           keepalive_timeout=2.0),
                                            read_bufsize=1 << 24)
         tasks = [asyncio.create_task(_bring_up(state, proc))]
         try:
@@ -160,7 +172,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
                     await task
             await state.http.close()
             stop_vllm(proc)
-            shutil.rmtree(state.holds, ignore_errors=True)
+            remove_folders(state)
 
     app = FastAPI(title="forge-stream vLLM engine", lifespan=lifespan)
     app.state.engine = state
@@ -196,10 +208,10 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     return app
 
 
-def _start_vllm(settings: VllmEngineSettings) -> subprocess.Popen:
-    log.info("starting vLLM (%s) on 127.0.0.1:%d: %s", settings.runtime.path, settings.vllm_port,
-             " ".join(settings.vllm_argv()[3:]))
-    return start_process(settings.vllm_argv(), new_session=True, preexec_fn=_end_with_parent,
+def _start_vllm(settings: VllmEngineSettings, socket: Path) -> subprocess.Popen:
+    argv = settings.vllm_argv(socket)
+    log.info("starting vLLM (%s) on unix socket %s: %s", settings.runtime.path, socket, " ".join(argv[3:]))
+    return start_process(argv, new_session=True, preexec_fn=_end_with_parent,
                          env=vllm_env(settings.cache_dir, settings.runtime.target, settings.kv_cache_gib,
                                       settings.mq_poll_s, lora=settings.lora_rank > 0))
 
@@ -216,7 +228,7 @@ def _end_with_parent() -> None:
 async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
     settings = state.settings
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, transport=httpx.AsyncHTTPTransport(uds=str(state.socket))) as client:
         while True:
             if proc.poll() is not None:
                 return exit_engine(state, f"vLLM exited during start-up (exit code {proc.returncode})")
@@ -226,6 +238,7 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
             if time.monotonic() - started > settings.start_timeout_s:
                 return exit_engine(state, f"vLLM was not healthy within {settings.start_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
+        os.chmod(state.socket, 0o600)  # vLLM binds it under its umask; the folder's 0700 kept it private until now
         state.control = VllmControl(state.vllm_url, client, settings.dtype, reset_external=settings.kv_connector)
         with contextlib.suppress(WorkerError, httpx.HTTPError):  # reported on /health; serving goes on without it
             state.mq_poll_s = await state.control.mq_poll()

@@ -1,22 +1,19 @@
 """The checkpoints a vLLM engine holds (forge_stream.engine.vllm_engine): a trainer may delete a checkpoint while
 an engine still loads it, or would need it to roll back, so the engine loads from a folder of its own with the
 checkpoint's files (hard links, a copy across file systems), kept while vLLM serves it. The folders live under
-`<cache>/engine-held-<pid>-*`; those of an engine that is gone are removed when the next one starts.
+`<cache>/engine-held-<pid>-*`; those of an engine that is gone are removed when the next one starts
+(forge_stream.files.remove_orphaned).
 `weights_fingerprint` tells a version whose weights are the served ones (renamed, not reloaded).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 from forge_stream.files import link_tree
-from forge_stream.proc import alive
-
-log = logging.getLogger(__name__)
 
 
 def hold_checkpoint(checkpoint: str, root: Path, version: int) -> Path:
@@ -49,15 +46,3 @@ def weights_fingerprint(model_dir: str | Path) -> str | None:
 
 HOLDS_PREFIX = "engine-held-"  # + the engine's pid: the folders of held checkpoints in the cache directory
 
-
-def remove_orphaned_holds(cache_dir: Path) -> None:
-    """Remove the held checkpoints of engines that are gone (killed before they could): their files would
-    otherwise outlive the trainer's rotation on disk."""
-    for folder in cache_dir.glob(f"{HOLDS_PREFIX}*"):
-        try:
-            pid = int(folder.name[len(HOLDS_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue  # not named by an engine
-        if not alive(pid):
-            log.info("removing %s, left by an engine that is gone", folder)
-            shutil.rmtree(folder, ignore_errors=True)

@@ -30,6 +30,7 @@ from forge_stream.engine.vllm_lora import load_adapter
 from forge_stream.engine.vllm_probe import probe, reference_logprobs, vocab_size
 from forge_stream.engine.vllm_state import EngineState, exit_engine
 from forge_stream.engine.vllm_sync import Call
+from forge_stream.files import in_store
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,12 @@ async def load_version(state: EngineState, checkpoint: str, version: int) -> App
     """Move vLLM to `version` (see the module docstring); raises, with vLLM on its last proven version, if it
     cannot."""
     began = time.monotonic()
+    source = in_store(state.settings.checkpoint_dir, checkpoint)
+    if source is None:
+        raise NotServed(f"it is outside the engine's checkpoint directory (--checkpoint-dir "
+                        f"{state.settings.checkpoint_dir})")
     try:
-        held = await asyncio.to_thread(hold_checkpoint, checkpoint, state.holds, version)
+        held = await asyncio.to_thread(hold_checkpoint, str(source), state.holds, version)
     except OSError as exc:
         raise NotServed(f"cannot read it ({exc})") from exc
     try:

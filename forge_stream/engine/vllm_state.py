@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # blocks only, so an agent's next turn recomputes up to 127 tokens of what it sent before (SmolLM2 in bench learning:
 # 52% of prompt tokens cached at 128, 92% at 32)
 CPU_BLOCK_SIZE = 32
+VLLM_URL = "http://vllm"  # vLLM's server, over its Unix socket (the host name is not used)
+PRIVATE_PREFIX = "engine-vllm-"  # + the engine's pid: the folder of vLLM's socket in the cache directory
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (Linux: 108 with the final NUL)
 MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
 
@@ -56,7 +59,6 @@ class VllmEngineSettings:
     cache_dir: Path
     host: str = "127.0.0.1"
     port: int = 8100
-    vllm_port: int = 0  # vLLM's private port on 127.0.0.1
     served_model_name: str | None = None
     policy_version: int = 0
     dtype: str = "float32"
@@ -75,6 +77,7 @@ class VllmEngineSettings:
     policy_run: str = "default"
     token: str | None = None  # with it, every route but /health needs it as a bearer token
     lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
+    checkpoint_dir: str | None = None  # the checkpoint store: forge.policy records load only from inside it
 
     def __post_init__(self):
         refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
@@ -88,9 +91,10 @@ class VllmEngineSettings:
         """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
         return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
 
-    def vllm_argv(self) -> list[str]:
+    def vllm_argv(self, socket: Path) -> list[str]:
+        """vLLM's server command, listening on the Unix socket `socket` only."""
         argv = [str(self.runtime.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(self.vllm_port),
+                "--served-model-name", self.name, "--uds", str(socket),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
                 "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
@@ -144,6 +148,7 @@ class EngineState:
     settings: VllmEngineSettings
     gate: VersionGate
     holds: Path  # this engine's folder of held checkpoints (see hold_checkpoint)
+    private: Path | None = None  # this engine's folder (mode 0700) of vLLM's socket, once made
     http: aiohttp.ClientSession | None = None
     control: VllmControl | None = None
     proc: subprocess.Popen | None = None
@@ -158,9 +163,13 @@ class EngineState:
     retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
     resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
+    vllm_url: str = VLLM_URL
+
     @property
-    def vllm_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.vllm_port}"
+    def socket(self) -> Path:
+        """vLLM's Unix socket: the only way to reach its server."""
+        assert self.private is not None, "vLLM's folder is made when the app starts"
+        return self.private / "vllm.sock"
 
 
 def stop_vllm(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -182,7 +191,14 @@ def exit_engine(state: EngineState, reason: str) -> None:
     log.error("%s; stopping the engine so that it starts afresh", reason)
     if state.proc is not None:
         stop_vllm(state.proc)
-    shutil.rmtree(state.holds, ignore_errors=True)
+    remove_folders(state)
     logging.shutdown()
     os._exit(3)
 
+
+
+def remove_folders(state: EngineState) -> None:
+    """This engine's held checkpoints and vLLM's socket folder (the next engine removes them if it was killed)."""
+    shutil.rmtree(state.holds, ignore_errors=True)
+    if state.private is not None:
+        shutil.rmtree(state.private, ignore_errors=True)

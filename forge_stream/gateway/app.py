@@ -25,7 +25,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from forge_stream.gateway.protocol import GatewayError, error_body
+from forge_stream.gateway.protocol import GatewayError
+from forge_stream.openai_error import error_body
 from forge_stream.httpbody import BodyRejected
 from forge_stream.gateway.router import agent_call, agent_paths, router
 from forge_stream.gateway.completing import EventSink

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from forge_stream.openai_error import error_body
 
 log = logging.getLogger("forge_stream.gateway")
 
@@ -30,11 +31,6 @@ class GatewayError(Exception):
         if self.raw is not None:
             return self.raw
         return error_body(self.status, self.message, self.kind, self.param, self.code)
-
-
-def error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status if code is None else code}})
 
 
 CONTEXT_FULL = "maximum context length"  # in vLLM's (and OpenAI's) message when prompt + max_tokens do not fit

@@ -60,7 +60,8 @@ def test_the_cluster_topology_places_each_service_on_its_hosts():
     for host in ("gpu-0", "gpu-3"):  # real vLLM behind the engine protocol, following run main, LMCache on
         (engine,) = by_host[host]
         option = dict(zip(engine.argv, engine.argv[1:]))
-        assert engine.argv[3:5] == ["engine", "vllm"] and engine.start_timeout_s >= 600
+        assert engine.argv[2:4] == ["forge_stream.engine", "vllm"] and engine.start_timeout_s >= 600
+        assert option["--checkpoint-dir"] == "/shared/forge/checkpoints"  # the trainer's store, read from there
         assert (option["--host"], option["--policy-run"], option["--dtype"]) == ("0.0.0.0", "main", "bfloat16")
         assert any(a.startswith("--vllm-arg=--kv-transfer-config=") and "LMCacheConnectorV1" in a
                    for a in engine.argv)

@@ -142,7 +142,7 @@ def test_bad_requests_get_openai_errors(engine_url):
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
     long = httpx.post(f"{engine_url}/v1/completions", json={"prompt": "hi", "max_tokens": 10**6})
     assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
-    # started without --checkpoint-dir: it loads nothing over HTTP (tests/security tries paths against one with it)
+    # outside its checkpoint store ($FORGE_HOME/checkpoints by default): refused (tests/security tries paths)
     refused = httpx.post(f"{engine_url}/v1/admin/load_weights", json={"path": "/nonexistent", "version": 3})
     assert refused.status_code == 403 and refused.json()["error"]["type"] == "PermissionDeniedError"
 

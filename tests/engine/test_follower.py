@@ -102,7 +102,9 @@ def _answer_version(url: str) -> int:
 
 def _broken_versions(good: Path, root: Path) -> dict[str, Path]:
     """Checkpoints the engine must refuse, each broken as a real one can be: a weight file cut short (a disk full,
-    a copy interrupted), a config transformers refuses while parsing it, weights that hold NaN (a diverged step)."""
+    a copy interrupted), a config transformers refuses while parsing it, weights that hold NaN (a diverged step), a
+    folder rotated away; and a good one outside the engine's checkpoint store (`root`), refused by the rule of
+    /v1/admin/load_weights."""
     truncated, bad_config, nan = (shutil.copytree(good, root / name) for name in ("truncated", "bad-config", "nan"))
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])
@@ -113,23 +115,25 @@ def _broken_versions(good: Path, root: Path) -> dict[str, Path]:
         model.model.norm.weight[0] = float("nan")
     model.save_pretrained(nan)
     return {"SafetensorError": truncated, "hidden_size": bad_config, "not finite": nan,
-            "No checkpoint directory": root / "rotated-away"}
+            "No checkpoint directory": root / "rotated-away", "outside the engine's checkpoint directory": good}
 
 
 def test_the_engine_serves_on_through_versions_it_cannot_load_and_loads_the_next_good_one(
         kafka_bootstrap, tiny_model_dir, tiny_model_dir_v1, tmp_path, run_id):
-    broken = _broken_versions(tiny_model_dir_v1, tmp_path)
+    store = tmp_path / "checkpoints"
+    broken = _broken_versions(tiny_model_dir_v1, store)
+    good = shutil.copytree(tiny_model_dir_v1, store / "v1")
     producer = EventProducer(kafka_bootstrap)
     run = f"faults-{run_id}"
     with EngineProcess(str(tiny_model_dir), log_path=tmp_path / "engine.log", extra_args=(
-            "--bootstrap-servers", kafka_bootstrap, "--policy-run", run)) as engine:
+            "--bootstrap-servers", kafka_bootstrap, "--policy-run", run, "--checkpoint-dir", str(store))) as engine:
         assert _health(engine.url)["failed_loads"] == 0
-        _publish(producer, "another-run", 5, tiny_model_dir_v1)  # another run's: not this engine's
+        _publish(producer, "another-run", 5, good)  # another run's: not this engine's
         for failed, (why, checkpoint) in enumerate(broken.items(), start=1):
             _publish(producer, run, 1, checkpoint)
             until(lambda: _health(engine.url)["failed_loads"] == failed, 60, lambda: f"{why}: {_health(engine.url)}")
             assert _health(engine.url)["policy_version"] == 0 and _answer_version(engine.url) == 0
-        _publish(producer, run, 1, tiny_model_dir_v1)
+        _publish(producer, run, 1, good)
         until(lambda: _health(engine.url)["policy_version"] == 1, 60, lambda: f"version 1: {_health(engine.url)}")
         health = _health(engine.url)
         assert (health["status"], health["loads"], health["failed_loads"]) == ("ok", 1, len(broken))
@@ -143,7 +147,7 @@ def test_the_engine_serves_on_through_versions_it_cannot_load_and_loads_the_next
     assert len(refused) == len(broken), lines  # one line each
     for (why, checkpoint), line in zip(broken.items(), refused):
         assert f"at {checkpoint} is not served: " in line and why in line and "still serving version 0" in line, line
-    assert any(f"INFO forge_stream.engine.follower: serving policy version 1 from {tiny_model_dir_v1}: loaded in "
+    assert any(f"INFO forge_stream.engine.follower: serving policy version 1 from {good}: loaded in "
                in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
 

@@ -35,7 +35,8 @@ def test_adapter_versions_are_served_under_their_version_and_a_corrupt_one_is_sk
     prompt = [5, 17, 99, 23, 42]
     log = tmp_path / "engine.log"
     with EngineProcess(str(tiny_model_dir), log_path=log,
-                       extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run)) as engine:
+                       extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+                                   "--checkpoint-dir", str(tmp_path))) as engine:
         published = publish_adapter_version(kafka_bootstrap, run, 1, good)
         first = until(lambda: (a := _answer(engine.url, prompt))["policy_version"] == 1 and a, 60,
                       "version 1 not served")

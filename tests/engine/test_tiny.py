@@ -5,7 +5,7 @@ import sys
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_stream.engine.tiny import SPECIAL_TOKENS, TOOL_TOKENS, TinyModelSpec, init_tiny_model
+from forge_stream.tiny.model import SPECIAL_TOKENS, TOOL_TOKENS, TinyModelSpec, init_tiny_model
 
 
 def _digest(path):

@@ -72,12 +72,16 @@ def test_the_server_command_caches_prefixes_in_small_blocks_on_cpu_hosts(tmp_pat
     from forge_stream.settings import ForgeSettings
 
     def block_size(target: str, **settings) -> str | None:
-        argv = VllmEngineSettings("model", VllmRuntime(tmp_path, target), tmp_path, **settings).vllm_argv()
+        argv = VllmEngineSettings("model", VllmRuntime(tmp_path, target), tmp_path, **settings).vllm_argv(tmp_path)
         return argv[argv.index("--block-size") + 1] if "--block-size" in argv else None
 
     assert int(block_size("cpu")) < 128 and int(block_size("cpu")) % 32 == 0 and block_size("gpu") is None
     assert block_size("cpu", block_size=64) == block_size("gpu", block_size=64) == "64"
-    assert "--enable-prefix-caching" in VllmEngineSettings("model", VllmRuntime(tmp_path, "cpu"), tmp_path).vllm_argv()
+    argv = VllmEngineSettings("model", VllmRuntime(tmp_path, "cpu"), tmp_path).vllm_argv(tmp_path / "vllm.sock")
+    assert "--enable-prefix-caching" in argv
+    # on its Unix socket only: no TCP port of its own
+    assert argv[argv.index("--uds") + 1] == str(tmp_path / "vllm.sock") and "--port" not in argv and "--host" not in argv
     # a topology's engine passes both on
     argv = engine_service(ForgeSettings(home=tmp_path), {"kind": "vllm", "block_size": 64, "mq_poll": 0.001}).argv
     assert argv[argv.index("--block-size") + 1] == "64" and argv[argv.index("--mq-poll") + 1] == "0.001"
+    assert argv[argv.index("--checkpoint-dir") + 1] == str(tmp_path / "checkpoints")  # the home's checkpoint store

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 from forge_stream.engine.probe import probe_ids
-from forge_stream.engine.vllm_holds import (HOLDS_PREFIX, hold_checkpoint, remove_orphaned_holds,
-                                            weights_fingerprint)
+from forge_stream.engine.vllm_holds import HOLDS_PREFIX, hold_checkpoint, weights_fingerprint
 from forge_stream.engine.vllm_state import VersionGate
 from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
                                            load_plan, prove)
+from forge_stream.files import remove_orphaned
 from forge_stream.proc import alive
 
 
@@ -174,7 +174,7 @@ def test_holds_of_engines_that_are_gone_are_removed_at_start(tmp_path):
     other = tmp_path / f"{HOLDS_PREFIX}notes"
     for folder in (stale, live, other):
         (folder / "v000003-aa").mkdir(parents=True)
-    remove_orphaned_holds(tmp_path)
+    remove_orphaned(tmp_path, HOLDS_PREFIX)
     assert not stale.exists() and live.exists() and other.exists()
 
 

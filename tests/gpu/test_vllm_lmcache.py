@@ -43,6 +43,7 @@ def lmcache_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
     log = root / "engine.log"
     engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
         "--bootstrap-servers", kafka_bootstrap, "--policy-run", "gpu-lmcache",
+        "--checkpoint-dir", str(tmp_path_factory.getbasetemp()),
         "--vllm-arg=--gpu-memory-utilization=0.2", f"--vllm-arg=--kv-transfer-config={json.dumps(LMCACHE)}"))
     try:
         with engine:

@@ -74,7 +74,8 @@ def engine(request, smollm2, kafka_bootstrap, tmp_path_factory) -> Engine:
     run = f"exact-{request.param}-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with EngineProcess(str(smollm2), kind=kind, log_path=log, extra_args=(
-            "--served-model-name", "smollm2", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run, *args)) \
+            "--served-model-name", "smollm2", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+            "--checkpoint-dir", str(tmp_path_factory.getbasetemp()), *args)) \
             as process:
         yield Engine(request.param, process.url, run, log)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from forge_stream.engine.tiny import TinyModelSpec
+from forge_stream.tiny.model import TinyModelSpec
 from forge_stream.trainer.step import StepConfig, build_optimizer, train_step
 from forge_stream.tree import pack
 from forge_stream.tree.logprobs import path_logprobs

@@ -131,7 +131,8 @@ def test_train_lora_rank_publishes_adapter_versions_the_engine_serves(kafka_boot
     start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))
     _publish_groups(kafka_bootstrap, run_id, 4)
     prompt = [5, 17, 99, 23]
-    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run),
+    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+                                                          "--checkpoint-dir", str(tmp_path)),
                        log_path=tmp_path / "engine.log") as engine:
         _cli("train", "--bootstrap-servers", kafka_bootstrap, "--run", run, "--model", str(tiny_model_dir),
              "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--batch-size", "2", "--wait-s", "2",

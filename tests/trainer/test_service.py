@@ -64,7 +64,8 @@ def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap,
     start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))
     since = now_ms() - 1
     groups = _publish_groups(kafka_bootstrap, run_id, 4)
-    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run),
+    with EngineProcess(str(tiny_model_dir), extra_args=("--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+                                                          "--checkpoint-dir", str(tmp_path)),
                        log_path=tmp_path / "engine.log") as engine:
         _cli("train", "--bootstrap-servers", kafka_bootstrap, "--run", run, "--model", str(tiny_model_dir),
              "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--batch-size", "2", "--wait-s", "2",

@@ -32,7 +32,8 @@ def vllm_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory) -> VllmEngine
     run = f"vllm-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("vllm") / "engine.log"
     engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
-        "--served-model-name", SERVED, "--bootstrap-servers", kafka_bootstrap, "--policy-run", run))
+        "--served-model-name", SERVED, "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
+        "--checkpoint-dir", str(tmp_path_factory.getbasetemp())))  # the tests' checkpoints: the pytest folders
     with engine:
         yield VllmEngine(engine.url, run, log, kafka_bootstrap, engine.pid)
 

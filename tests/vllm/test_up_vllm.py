@@ -31,7 +31,7 @@ def test_up_with_vllm_trains_and_moves_the_served_version(tmp_path):
         bootstrap = up["bootstrap_servers"]
         status = json.loads(cli(env, "status", "--json"))
         assert status["services"]["engine"]["state"] == "running"
-        assert status["services"]["engine"]["argv"][3:5] == ["engine", "vllm"]
+        assert status["services"]["engine"]["argv"][2:4] == ["forge_stream.engine", "vllm"]
         assert httpx.get(f"{engine}/health", timeout=10).json()["engine"] == "vllm"
 
         def rollouts(groups: int, seed: int) -> None:

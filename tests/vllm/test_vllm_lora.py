@@ -24,6 +24,7 @@ from forge_stream import lora
 from forge_stream.engine.process import EngineProcess
 
 from helpers import adapter_version, publish_adapter_version, until
+from vllm_support import vllm_socket
 
 TOLERANCE = 1e-3  # nats: vLLM's fp32 CPU kernels against peft
 
@@ -34,7 +35,7 @@ def lora_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-lora") / "engine.log"
     engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
         "--served-model-name", "tiny-lora", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
-        "--lora-rank", "4"))
+        "--lora-rank", "4", "--checkpoint-dir", str(tmp_path_factory.getbasetemp())))
     with engine:
         yield engine, run, log, kafka_bootstrap
 
@@ -103,8 +104,8 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     assert renamed["renamed_versions"] == health["renamed_versions"] + 1 and renamed["loads"] == health["loads"]
     assert renamed["lora_adapter"] == health["lora_adapter"] and health["lora_adapter"].startswith("policy-v3-")
     assert _answer(engine.url, prompt)["policy_version"] == 5
-    port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-    listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(vllm_socket(log)))) as vllm:
+        listed = [m["id"] for m in vllm.get("http://vllm/v1/models").json()["data"]]
 
     assert base["policy_version"] == 0 and kept["policy_version"] == 1 and after["policy_version"] == 3
     # each answer was served by the adapter of the version it is labelled with

@@ -20,7 +20,7 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
-from vllm_support import open_session, trainer_logprobs
+from vllm_support import open_session, trainer_logprobs, vllm_socket
 
 pytestmark = pytest.mark.slow
 
@@ -229,13 +229,12 @@ def test_a_reload_that_fails_inside_vllm_is_resumed_and_rolled_back(vllm_engine,
     control resumes it on a fresh connection and loads the served weights back."""
     from forge_stream.engine.vllm_sync import Call, VllmControl, WorkerError
 
-    port = re.search(r"starting vLLM \(.*?\) on 127\.0\.0\.1:(\d+)", vllm_engine.log.read_text()).group(1)
-    url = f"http://127.0.0.1:{port}"
+    url, transport = "http://vllm", httpx.AsyncHTTPTransport(uds=str(vllm_socket(vllm_engine.log)))
     vllm_engine.push_version(checkpoints[1])
     now = vllm_engine.health()
 
     async def fail_then_roll_back():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, transport=transport) as client:
             control = VllmControl(url, client)
             gone = tmp_path / "rotated-away"
             try:

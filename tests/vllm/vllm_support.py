@@ -3,6 +3,7 @@ open a gateway session, and the trainer's own log-probs of recorded completions.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 import uuid
@@ -44,6 +45,11 @@ class VllmEngine:
             assert time.monotonic() < deadline, f"version {version} not served: {self.health()}; see {self.log}"
             time.sleep(0.2)
         return version
+
+
+def vllm_socket(log: Path) -> Path:
+    """vLLM's private Unix socket, as the engine's log names it when it starts vLLM."""
+    return Path(re.search(r"starting vLLM \(.*?\) on unix socket (\S+): ", log.read_text()).group(1))
 
 
 def perturbed_copy(base: Path, out: Path, seed: int, scale: float = 0.05) -> Path:

@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from forge_stream.engine.corpus import corpus
+from forge_stream.tiny.corpus import corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added (never split) but not "special": they must survive decode(skip_special_tokens=True) so the
@@ -64,7 +64,7 @@ class TinyModelSpec:
 
 def chat_template() -> str:
     """The ChatML chat template with tool calling shipped with the package."""
-    return resources.files("forge_stream.engine").joinpath("chat_template.jinja").read_text()
+    return resources.files("forge_stream.tiny").joinpath("chat_template.jinja").read_text()
 
 
 def train_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:

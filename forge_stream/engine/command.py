@@ -1,11 +1,12 @@
-"""`forge-stream engine serve|vllm|install-vllm`: run a rollout engine (the local torch engine, or real vLLM) as an HTTP
-server process, and install the vLLM runtime."""
+"""`engine serve|vllm|install-vllm`: run a rollout engine (the local torch engine, or real vLLM) as an HTTP server
+process, and install the vLLM runtime. The command line's `forge-stream engine` group, and the engine process's
+own entry point, `python -m forge_stream.engine` (what `up` and EngineProcess start), which imports no other command."""
 
 import logging
 
 import typer
 
-from forge_stream.cli.options import WaitForKafkaOption, ready_kafka, user_error
+from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
 
 # idle connections stay open longer than the gateway's client keeps them (aiohttp: 15 s), so the gateway never sends a
 # request on a connection the engine is closing (uvicorn's default is 5 s)
@@ -39,8 +40,9 @@ def serve(
     token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
                               help="Require this bearer token on every route but /health (needed to listen beyond "
                                    "loopback); the gateway sends it with --engine-token."),
-    checkpoint_dir: str = typer.Option(None, help="/v1/admin/load_weights loads only directories inside this one "
-                                                  "(without it, none: the engine follows forge.policy)."),
+    checkpoint_dir: str = typer.Option(None, help="The checkpoint store: weights load (/v1/admin/load_weights, a "
+                                                  "forge.policy record) only from directories inside it "
+                                                  "(default: $FORGE_HOME/checkpoints, where `train` writes)."),
     wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
@@ -56,7 +58,8 @@ def serve(
                                   policy_version=policy_version, max_batch_size=max_batch_size,
                                   max_model_len=max_model_len, dtype=dtype, device=device,
                                   logprobs_mode=logprobs_mode, prefix_cache_tokens=prefix_cache_tokens,
-                                  token=token or None, checkpoint_dir=checkpoint_dir)
+                                  token=token or None,
+                                  checkpoint_dir=checkpoint_dir or str(ForgeSettings().checkpoint_dir))
     except ValueError as exc:
         raise user_error(str(exc)) from None
     if bootstrap_servers:
@@ -125,6 +128,9 @@ def vllm(
     token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
                               help="Require this bearer token on every route but /health (needed to listen beyond "
                                    "loopback); the gateway sends it with --engine-token."),
+    checkpoint_dir: str = typer.Option(None, help="The checkpoint store: a forge.policy record loads only from a "
+                                                  "directory inside it (default: $FORGE_HOME/checkpoints, where "
+                                                  "`train` writes)."),
     wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL with real vLLM (installed first if needed), each answer labelled with its policy version."""
@@ -135,7 +141,6 @@ def vllm(
     from forge_stream.engine.vllm_engine import create_app
     from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
     from forge_stream.engine.vllm_state import VllmEngineSettings
-    from forge_stream.kafka.broker import free_port
     from forge_stream.settings import ForgeSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -156,10 +161,10 @@ def vllm(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = VllmEngineSettings(
-        model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port, vllm_port=free_port(),
+        model=model, runtime=runtime, cache_dir=cache_dir, host=host, port=port,
         served_model_name=served_model_name, policy_version=policy_version, dtype=dtype, max_model_len=max_model_len,
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size,
         tool_call_parser=tool_call_parser, probe=probe, load_interval_s=load_interval, mq_poll_s=mq_poll,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None,
-        lora_rank=lora_rank)
+        lora_rank=lora_rank, checkpoint_dir=checkpoint_dir or str(ForgeSettings().checkpoint_dir))
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
