@@ -89,8 +89,8 @@ def test_a_version_outside_the_checkpoint_store_is_refused(vllm_engine, checkpoi
             "event_id": uuid.uuid4().hex, "event_time": int(time.time() * 1000), "version": version, "step": 0,
             "checkpoint_uri": outside, "base_model": outside})
         producer.close()
-        until(lambda: f"policy version {version} at {outside} is outside the engine's checkpoint directory"
-              in vllm_engine.log.read_text(), 60, lambda: vllm_engine.log.read_text()[-3000:])
+        until(lambda: f"policy version {version} at {outside} is not served: it is outside the engine's checkpoint "
+              "directory" in vllm_engine.log.read_text(), 60, lambda: vllm_engine.log.read_text()[-3000:])
     finally:
         shutil.rmtree(outside, ignore_errors=True)
     now = vllm_engine.health()
