@@ -66,6 +66,7 @@ def test_a_process_left_running_is_counted_until_it_ends():
         parent.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
                     reason="haproxy is not installed (apt-get install -y haproxy): --hosts 2 runs the gateways behind it")
 def test_bench_load_across_two_hosts_behind_haproxy_loses_nothing_when_one_is_killed(kafka_bootstrap):

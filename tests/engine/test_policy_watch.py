@@ -3,6 +3,7 @@
 import time
 
 import httpx
+import pytest
 
 from forge_stream.engine.policy_watch import newest
 from forge_stream.engine.process import EngineProcess
@@ -24,6 +25,7 @@ def _version(url):
     return httpx.get(f"{url}/health", timeout=5).json()["policy_version"]
 
 
+@pytest.mark.slow
 def test_engine_follows_forge_policy(kafka_bootstrap, tiny_model_dir, tiny_model_dir_v1, tmp_path, run_id):
     producer = EventProducer(kafka_bootstrap)
     # whatever earlier tests published, publish a version above it

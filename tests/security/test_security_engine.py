@@ -32,6 +32,7 @@ def _auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+@pytest.mark.slow
 def test_every_route_but_health_needs_the_engines_token(engine):
     url, checkpoints = engine
     assert httpx.get(f"{url}/health").status_code == 200
