@@ -4,7 +4,7 @@ If FORGE_TEST_BOOTSTRAP_SERVERS is set (CI starts a broker with `forge-stream up
 that cluster; otherwise the session fixture starts its own broker from the Maven-fetched jars on random free
 ports with its own data directory, so a bare `pytest` works too.
 
-As the session begins, the real vLLM servers its selected tests use start in the background (tests/early.py).
+As the session begins, the engine servers its selected tests use start in the background (tests/early.py).
 """
 
 from __future__ import annotations

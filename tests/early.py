@@ -1,8 +1,8 @@
-"""What the test session starts in the background as it begins: the real vLLM servers (and the SmolLM2 import one
-of them serves), so that their minutes of start-up run while the tests before their users do, instead of in their
-users' setup. Most tests wait on Kafka, HTTP and processes with the cores idle; a vLLM start is imports and compiling
-(on 2 cores: one to two and a half minutes each, about 6 minutes of the suite's wall time for the three), and the
-first of them is used some 15 minutes into the suite.
+"""What the test session starts in the background as it begins: the engine server processes that fixtures of
+module or session scope hold (real vLLM, and the torch engine), and the SmolLM2 import one of them serves, so that
+their start-up runs while the tests before their users do, instead of in their users' setup. Most tests wait on
+Kafka, HTTP and processes with the cores idle; a vLLM start is imports and compiling (on 2 cores: one to two and a
+half minutes each, about 6 minutes of the suite's wall time for the three), a torch engine's about 15 s.
 
 Each thing is declared where it is used, at import (so before the session starts):
 `EARLY.declare(name, wanted, prepare, stop)`. `wanted(item)` says whether a selected test needs it; `prepare(get)`
