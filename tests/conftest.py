@@ -3,6 +3,8 @@
 If FORGE_TEST_BOOTSTRAP_SERVERS is set (CI starts a broker with `forge-stream up` and sets it), the tests use
 that cluster; otherwise the session fixture starts its own broker from the Maven-fetched jars on random free
 ports with its own data directory, so a bare `pytest` works too.
+
+As the session begins, the engine servers its selected tests use start in the background (tests/early.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings
 
+from early import EARLY
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +39,14 @@ def kafka_bootstrap(tmp_path_factory) -> str:
     create_topics(bootstrap)
     yield bootstrap
     broker.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_starts(request):
+    """Start in the background what the selected tests declared (tests/early.py); stop what none of them took."""
+    EARLY.begin(request.session.items, request.getfixturevalue)
+    yield
+    EARLY.end()
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@ burst of parallel calls, and the run's proof of what it recorded (one record per
 left running (nothing). (Shedding and memory under load are tests/gateway/test_gateway_load.py's.)"""
 
 import json
-import shutil
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -39,18 +40,33 @@ def test_bench_load_reports_turns_recorded_twice_and_stops_every_process_it_star
     assert result["duplicate_turns"] == 0, result
 
 
+# starts one process when told to, says its pid and reaps it when it ends
+PARENT = ("import subprocess, sys\nsys.stdin.readline()\n"
+          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+          "print(child.pid, flush=True)\nchild.wait()\n")
+
+
 def test_a_process_left_running_is_counted_until_it_ends():
-    before = descendants(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    started = descendants(os.getpid()) - before
-    assert [pid for pid, _ in started] == [child.pid]
-    [command] = still_running(started)
-    assert "time.sleep(60)" in command
-    child.kill()
-    child.wait()
-    assert still_running(started) == []
+    """Below a process of the test's own: pytest's own descendants change meanwhile (tests/early.py starts vLLM)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        before = descendants(parent.pid)
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        child = int(parent.stdout.readline())
+        started = descendants(parent.pid) - before
+        assert [pid for pid, _ in started] == [child]
+        [command] = still_running(started)
+        assert "time.sleep(60)" in command
+        os.kill(child, signal.SIGKILL)
+        assert parent.wait(30) == 0  # it reaped the child
+        assert still_running(started) == []
+    finally:
+        parent.kill()
+        parent.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
                     reason="haproxy is not installed (apt-get install -y haproxy): --hosts 2 runs the gateways behind it")
 def test_bench_load_across_two_hosts_behind_haproxy_loses_nothing_when_one_is_killed(kafka_bootstrap):

@@ -39,6 +39,7 @@ COMMANDS = {
 }
 
 
+@pytest.mark.slow
 def test_commands_that_need_the_deployment_say_in_one_line_that_it_is_down(tmp_path):
     env, line = _down_home(tmp_path)
     out = str(tmp_path / "out")
@@ -60,6 +61,7 @@ def test_commands_that_need_the_deployment_say_in_one_line_that_it_is_down(tmp_p
     assert status.returncode == 1 and status.stderr.splitlines() == [line]  # the same hint
 
 
+@pytest.mark.slow
 def test_a_service_told_to_wait_for_kafka_still_waits(tmp_path):
     """What `up` passes its services (--wait-for-kafka): a supervised service restarted while the broker restarts
     waits for it (tests/kafka/test_topic_checks.py sees one come up once Kafka is back)."""

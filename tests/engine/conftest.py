@@ -1,10 +1,17 @@
-"""Fixtures of the engine tests: its tokenizer and reference model, and one engine server process."""
+"""Fixtures of the engine tests: its tokenizer and reference model, and one engine server process (started in the
+background as the session begins: tests/early.py)."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.engine.process import EngineProcess
+
+from early import EARLY
+
+HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="session")
@@ -17,11 +24,23 @@ def hf_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
 
 
+def _engine(get):
+    log = get("tmp_path_factory").mktemp("engine_log") / "engine.log"
+    return EngineProcess(str(get("tiny_model_dir")), extra_args=("--max-batch-size", "8"), log_path=log).start
+
+
+EARLY.declare("engine_url", lambda item: item.path.parent == HERE and "engine_url" in item.fixturenames, _engine,
+              stop=EngineProcess.stop)
+
+
 @pytest.fixture(scope="session")
-def engine_url(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    with EngineProcess(str(tiny_model_dir), extra_args=("--max-batch-size", "8"), log_path=log) as proc:
+def engine_url(request):
+    """Started in the background from the session's start (tests/early.py)."""
+    proc = EARLY.take("engine_url", request.getfixturevalue)
+    try:
         yield proc.url
+    finally:
+        proc.stop()
 
 
 def _reference_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:

@@ -171,6 +171,7 @@ def test_hostile_requests_are_400_before_they_run(engine_url):
         assert client.get("/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_large_body_does_not_block_health(engine_url):
     """A 7.9 MB prompt is parsed and tokenized off the event loop (then refused: longer than the context)."""
     body = {"prompt": "word " * 1_580_000, "max_tokens": 1}

@@ -88,6 +88,7 @@ def test_json_schema_output_validates_and_logprobs_are_of_the_masked_distributio
         matcher.accept_token(token)
 
 
+@pytest.mark.slow
 def test_json_object_output_is_one_json_object(engine_url, grammars, tokenizer):
     # near-uniform sampling over the allowed tokens, so the random model closes its strings and objects
     body = {"response_format": {"type": "json_object"}, "n": 4, "seed": 3, "temperature": 50.0,
@@ -109,6 +110,7 @@ def _arguments_match(call):
     jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
 
 
+@pytest.mark.slow
 def test_tool_choice_required_yields_valid_calls_of_listed_tools(engine_url, grammars, tokenizer):
     body = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "n": 4, "seed": 1, "max_tokens": 400,
             "return_token_ids": True}

@@ -24,6 +24,7 @@ def _answer(url: str, prompt: list[int]) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_adapter_versions_are_served_under_their_version_and_a_corrupt_one_is_skipped(
         kafka_bootstrap, tiny_model_dir, tmp_path, reference_logprobs):
     run = f"lora-{uuid.uuid4().hex[:8]}"

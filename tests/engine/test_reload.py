@@ -11,6 +11,7 @@ from forge_stream.engine.process import EngineProcess
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 
 
+@pytest.mark.slow
 def test_reload_mid_stream_keeps_old_version_for_in_flight_request(tiny_model_dir, tiny_model_dir_v1,
                                                                   reference_logprobs):
     body = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "logprobs": True, "return_token_ids": True,

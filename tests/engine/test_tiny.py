@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_stream.tiny.model import SPECIAL_TOKENS, TOOL_TOKENS, TinyModelSpec, init_tiny_model
@@ -56,6 +57,7 @@ def test_chat_template_renders_tools_calls_and_results(tiny_model_dir):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_model_init_takes_a_width_and_depth_and_refuses_a_width_heads_cannot_split(tmp_path):
     out = tmp_path / "wide"
     done = subprocess.run([sys.executable, "-m", "forge_stream", "model", "init", "--out", str(out), "--hidden-size",

@@ -108,6 +108,7 @@ def _recorded(kafka: str, run: str) -> list[tuple[str, int, int, str, str, int]]
     return out
 
 
+@pytest.mark.slow
 def test_two_hosts_behind_haproxy_number_turns_once_and_a_killed_host_s_sessions_go_on_on_the_other(
         kafka_bootstrap, run_id, tmp_path):
     run = f"{run_id}-hosts-"

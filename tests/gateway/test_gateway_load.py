@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from forge_stream.bench.load import LoadSettings, run
@@ -20,6 +21,7 @@ from helpers import read_events, serving
 HI = {"messages": [{"role": "user", "content": "hi"}]}
 
 
+@pytest.mark.slow
 def test_200_agents_are_shed_with_retry_after_and_nothing_acknowledged_is_lost(kafka_bootstrap):
     result = run(LoadSettings(agents=200, seconds=10, max_in_flight=4, max_waiting=4, retry_after_s=0.5,
                               engine_delay_ms=20, bootstrap=kafka_bootstrap))

@@ -14,6 +14,7 @@ from forge_stream.engine.tool_calls import parse_tool_calls
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.history import read_completions
 
+from early import EARLY
 from gateway_support import open_session
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -26,15 +27,26 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def _engine(get):
+    log = get("tmp_path_factory").mktemp("gw_engine") / "engine.log"
+    return EngineProcess(str(get("tiny_model_dir")), log_path=log).start
+
+
+EARLY.declare("sdk_engine", lambda item: "engine_gateway" in item.fixturenames, _engine, stop=EngineProcess.stop)
+
+
 @pytest.fixture(scope="module")
-def engine_gateway(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
+def engine_gateway(request, kafka_bootstrap):
+    """A gateway in front of the torch engine (started in the background from the session's start: tests/early.py)."""
     from helpers import serving
     from forge_stream.gateway.app import create_app
 
-    log = tmp_path_factory.mktemp("gw_engine") / "engine.log"
-    with EngineProcess(str(tiny_model_dir), log_path=log) as engine, \
-            serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as gateway:
-        yield gateway
+    engine = EARLY.take("sdk_engine", request.getfixturevalue)
+    try:
+        with serving(create_app(GatewaySettings(engines=(engine.url,), bootstrap=kafka_bootstrap))) as gateway:
+            yield gateway
+    finally:
+        engine.stop()
 
 
 def _client(session) -> OpenAI:

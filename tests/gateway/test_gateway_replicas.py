@@ -344,6 +344,7 @@ def gateway_process(engine: str, bootstrap: str, *options: str, log=subprocess.D
         yield url, proc
 
 
+@pytest.mark.slow
 def test_two_replica_processes_alternate_one_session_and_one_is_killed(kafka_bootstrap, engine, run_id):
     """Turns alternate between two gateway processes; one is SIGKILLed mid-session; the other finishes it, and the
     trajectory on Kafka is whole: every turn once, in order, each extending the one before."""
@@ -377,6 +378,7 @@ def _workers(url: str, tries: int = 400) -> dict[int, dict]:
     return seen
 
 
+@pytest.mark.slow
 def test_gateway_serve_with_workers_serves_and_records_any_session_on_any_worker(kafka_bootstrap, engine, run_id,
                                                                                   tmp_path):
     """`--workers 2`: one port, two processes; each call on a new connection goes to either; once a worker has
@@ -412,6 +414,7 @@ def _listening_sockets(port: int) -> int:
     return sum(1 for row in rows if row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A")
 
 
+@pytest.mark.slow
 def test_workers_each_accept_on_their_own_socket_so_a_burst_of_connections_is_shared(kafka_bootstrap, engine):
     """`--workers 2` listens with one socket per worker (SO_REUSEPORT): 64 connections opened at once, as a load
     balancer's pool or 64 starting agents open them, are spread over both workers by the kernel. (With one socket
@@ -452,6 +455,7 @@ def test_workers_on_a_port_in_use_are_refused_with_what_to_do(kafka_bootstrap, e
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "choose another --port" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_the_sessions_its_ledger_slot_served_go_on_whole(
         kafka_bootstrap, engine, run_id):
     """`--workers 2` shares sessions through the ledger: turns land on either worker (a new connection per call);

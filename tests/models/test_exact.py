@@ -24,10 +24,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
 import torch
+from early import EARLY
 from helpers import folded_train_sample, group_events, serving, trainer_gaps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,17 +69,39 @@ class Engine:
     log: Path
 
 
+def _started(name: str, get) -> Callable[[], tuple[EngineProcess, Engine]]:
+    """`name`'s engine on SmolLM2 (imported by the early start, or the fixture's own), started when called."""
+    kind, args = ENGINES[name]
+    model = None if EARLY.begun("smollm2") else get("smollm2")
+    bootstrap, run = get("kafka_bootstrap"), f"exact-{name}-{uuid.uuid4().hex[:8]}"
+    log = get("tmp_path_factory").mktemp("engine") / "engine.log"
+
+    def start():
+        process = EngineProcess(str(model or EARLY.result("smollm2")), kind=kind, log_path=log, extra_args=(
+            "--served-model-name", "smollm2", "--bootstrap-servers", bootstrap, "--policy-run", run,
+            "--checkpoint-dir", str(get("tmp_path_factory").getbasetemp()), *args))
+        return process.start(), Engine(name, process.url, run, log)
+    return start
+
+
+# vLLM starts in the background from the session's start (tests/early.py): its start-up is minutes, the torch
+# engine's seconds
+EARLY.declare("exact-vllm", lambda item: item.path == Path(__file__) and getattr(item, "callspec", None) is not None
+              and item.callspec.params.get("engine") == "vllm",
+              lambda get: _started("vllm", get), stop=lambda started: started[0].stop())
+
+
 @pytest.fixture(scope="module", params=list(ENGINES))
-def engine(request, smollm2, kafka_bootstrap, tmp_path_factory) -> Engine:
+def engine(request, kafka_bootstrap) -> Engine:
     """The torch engine, then real vLLM, serving SmolLM2 and following forge.policy for a run of their own."""
-    kind, args = ENGINES[request.param]
-    run = f"exact-{request.param}-{uuid.uuid4().hex[:8]}"
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    with EngineProcess(str(smollm2), kind=kind, log_path=log, extra_args=(
-            "--served-model-name", "smollm2", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
-            "--checkpoint-dir", str(tmp_path_factory.getbasetemp()), *args)) \
-            as process:
-        yield Engine(request.param, process.url, run, log)
+    if request.param == "vllm":
+        process, engine = EARLY.take("exact-vllm", request.getfixturevalue)
+    else:
+        process, engine = _started(request.param, request.getfixturevalue)()
+    try:
+        yield engine
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="module")

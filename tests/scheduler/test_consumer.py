@@ -155,6 +155,7 @@ def _start_child(bootstrap, run, total, batch, *mode):
     return subprocess.Popen([sys.executable, str(CHILD), bootstrap, run, str(total), str(batch), *mode], env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", ["external", "after-publish", "external-with-garbage"])
 def test_sigkill_and_restart_lose_nothing_and_train_nothing_twice(kafka_bootstrap, run_id, kill):
     total, batch = 24, 4

@@ -6,32 +6,49 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
 
 from forge_stream.engine.process import EngineProcess
 
+from early import EARLY
+
 TOKEN = secrets.token_urlsafe(32)
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tiny_model_dir_v1, tmp_path_factory):
-    """An engine with a token and a checkpoint directory holding one checkpoint (v1) and a link out of it."""
-    checkpoints = tmp_path_factory.mktemp("checkpoints")
-    shutil.copytree(tiny_model_dir_v1, checkpoints / "v000001")
+def _engine(get):
+    tiny_model_dir, checkpoints = get("tiny_model_dir"), get("tmp_path_factory").mktemp("checkpoints")
+    shutil.copytree(get("tiny_model_dir_v1"), checkpoints / "v000001")
     os.symlink(tiny_model_dir, checkpoints / "escape")  # inside by name, outside once resolved
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    with EngineProcess(str(tiny_model_dir), log_path=log, extra_args=(
-            "--token", TOKEN, "--checkpoint-dir", str(checkpoints))) as proc:
+    log = get("tmp_path_factory").mktemp("engine_log") / "engine.log"
+    proc = EngineProcess(str(tiny_model_dir), log_path=log, extra_args=(
+        "--token", TOKEN, "--checkpoint-dir", str(checkpoints)))
+    return lambda: (proc.start(), checkpoints)
+
+
+EARLY.declare("token_engine", lambda item: item.path == Path(__file__) and "engine" in item.fixturenames, _engine,
+              stop=lambda started: started[0].stop())
+
+
+@pytest.fixture(scope="module")
+def engine(request):
+    """An engine with a token and a checkpoint directory holding one checkpoint (v1) and a link out of it (started
+    in the background from the session's start: tests/early.py)."""
+    proc, checkpoints = EARLY.take("token_engine", request.getfixturevalue)
+    try:
         yield proc.url, checkpoints
+    finally:
+        proc.stop()
 
 
 def _auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+@pytest.mark.slow
 def test_every_route_but_health_needs_the_engines_token(engine):
     url, checkpoints = engine
     assert httpx.get(f"{url}/health").status_code == 200

@@ -119,6 +119,7 @@ class Reader:
         return out
 
 
+@pytest.mark.slow
 def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     settings = ProcessorSettings(group_timeout_ms=15_000)
     t0 = now_ms()
@@ -170,6 +171,7 @@ def test_topology_matches_pure_functions(kafka_bootstrap, run_id, tmp_path):
     assert all(d["rejected_by"] == "processors.groups" and d["topic"] == TOPICS.completions.name for d in dead)
 
 
+@pytest.mark.slow
 def test_a_worker_behind_reads_its_backlog_before_it_times_groups_out(kafka_bootstrap, run_id, tmp_path):
     """Groups recorded long ago, read by a new worker (an outage longer than the group timeout, or a new app id on
     topics that hold records): their deadlines passed before the worker read a record of them. It still folds each
@@ -282,6 +284,7 @@ def test_two_workers_share_the_partitions_and_one_takes_over_when_the_other_is_k
     assert {s["group_id"]: s for s in samples.values()} == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["followed", "last"])
 def test_a_record_the_consumer_skipped_is_read_back_from_kafka_and_folded(kafka_bootstrap, run_id, tmp_path, which):
     """faust 0.15 can drop a prefetched record when a rebalance hands its partition over, and acknowledge it, so the

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from forge_stream.tiny.model import TinyModelSpec
@@ -79,6 +80,7 @@ def measure_step(prompt: int, completion: int) -> dict:
             "peak": _status_bytes("VmHWM"), "step_bytes": _status_bytes("VmHWM") - before}
 
 
+@pytest.mark.slow
 def test_one_step_on_a_long_path_is_finite_in_memory_linear_in_its_rows():
     rows = int(os.environ.get("FORGE_LONG_PATH_TOKENS", "6000"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

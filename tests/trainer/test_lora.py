@@ -113,6 +113,7 @@ def test_tree_packed_logprobs_through_an_adapter_equal_separate_forward_passes(t
         assert moved  # the adapter is in the path, not bypassed
 
 
+@pytest.mark.slow
 @pytest.mark.kafka
 def test_train_lora_rank_publishes_adapter_versions_the_engine_serves(kafka_bootstrap, tiny_model_dir, tmp_path,
                                                                       run_id):

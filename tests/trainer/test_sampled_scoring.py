@@ -41,6 +41,7 @@ def sampled_group(gateway: str, group_id: str, settings: list[dict]) -> None:
             assert httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/{path}", json=body).status_code == 200
 
 
+@pytest.mark.slow
 def test_tokens_sampled_at_a_temperature_and_top_p_are_scored_as_the_engine_recorded_them(
         gateway, tiny_model_dir, kafka_bootstrap):
     """Measured: max |trainer - recorded| 5.2e-6 nats over 192 tokens (ratio max 1 + 4e-6; the engine's cached,

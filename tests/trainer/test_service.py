@@ -59,6 +59,7 @@ def _committed(bootstrap, group):
         consumer.close()
 
 
+@pytest.mark.slow
 def test_train_publishes_versions_the_engine_serves_then_replay(kafka_bootstrap, tiny_model_dir, tmp_path, run_id):
     run = f"run-{run_id}"
     start_at_end(SchedulerSettings(bootstrap=kafka_bootstrap, run=run))

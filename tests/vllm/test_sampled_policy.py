@@ -3,11 +3,14 @@ sampler functions (temperature, then its top-p rule, then processed log-probs), 
 
 import subprocess
 
+import pytest
 import torch
 
 from forge_stream.engine.vllm_runtime import runtime
 from forge_stream.sampled_policy import processed_logits
 from forge_stream.settings import ForgeSettings
+
+pytestmark = pytest.mark.slow  # vLLM's own code, imported in its runtime: half a minute on 2 cores
 
 VLLM_PROCESSED = """
 import sys

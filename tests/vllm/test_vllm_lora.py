@@ -6,7 +6,7 @@ agents keep sampling (vLLM's CPU LoRA kernels cannot run the prompt log-probs of
 requests: its worker died on the first adapter of a busy engine).
 
 vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
-shared by this module's tests.
+shared by this module's tests, in the background from the session's start (tests/early.py).
 """
 
 from __future__ import annotations
@@ -23,21 +23,36 @@ import pytest
 from forge_stream import lora
 from forge_stream.engine.process import EngineProcess
 
+from early import EARLY
 from helpers import adapter_version, publish_adapter_version, until
 from vllm_support import vllm_socket
+
+pytestmark = pytest.mark.slow  # real vLLM
 
 TOLERANCE = 1e-3  # nats: vLLM's fp32 CPU kernels against peft
 
 
+def _started(get):
+    bootstrap, run = get("kafka_bootstrap"), f"vllm-lora-{uuid.uuid4().hex[:8]}"
+    log = get("tmp_path_factory").mktemp("vllm-lora") / "engine.log"
+    engine = EngineProcess(str(get("tiny_model_dir")), kind="vllm", log_path=log, extra_args=(
+        "--served-model-name", "tiny-lora", "--bootstrap-servers", bootstrap, "--policy-run", run,
+        "--lora-rank", "4", "--checkpoint-dir", str(get("tmp_path_factory").getbasetemp())))
+    return lambda: (engine.start(), run, log, bootstrap)
+
+
+EARLY.declare("lora_engine", lambda item: "lora_engine" in item.fixturenames, _started,
+              stop=lambda started: started[0].stop())
+
+
 @pytest.fixture(scope="module")
-def lora_engine(tiny_model_dir, kafka_bootstrap, tmp_path_factory):
-    run = f"vllm-lora-{uuid.uuid4().hex[:8]}"
-    log = tmp_path_factory.mktemp("vllm-lora") / "engine.log"
-    engine = EngineProcess(str(tiny_model_dir), kind="vllm", log_path=log, extra_args=(
-        "--served-model-name", "tiny-lora", "--bootstrap-servers", kafka_bootstrap, "--policy-run", run,
-        "--lora-rank", "4", "--checkpoint-dir", str(tmp_path_factory.getbasetemp())))
-    with engine:
-        yield engine, run, log, kafka_bootstrap
+def lora_engine(request):
+    """Started in the background from the session's start (tests/early.py)."""
+    started = EARLY.take("lora_engine", request.getfixturevalue)
+    try:
+        yield started
+    finally:
+        started[0].stop()
 
 
 def _answer(url: str, prompt: list[int]) -> dict:

@@ -1,0 +1,49 @@
+"""tests/early.py, the session's background starts: what the selected tests need starts at `begin`, in a thread,
+in the order of their first users, and its fixture gets it (or the start's error) from `take`; what no test needs
+is not started, what no fixture took is stopped at `end`, and a fixture whose start was not begun makes its own."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from early import Early
+
+
+def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = False) -> None:
+    def prepare(get):
+        prepared_in = threading.current_thread().name  # the fixtures are read in the main thread
+
+        def slow():
+            made.append((name, get("where"), prepared_in, threading.current_thread().name))
+            if fails:
+                raise RuntimeError(f"{name} did not start")
+            return name.upper()
+        return slow
+    early.declare(name, lambda item: name in item.fixturenames, prepare, stop=stopped.append)
+
+
+def test_what_a_selected_test_needs_starts_in_a_thread_and_its_fixture_takes_it():
+    early, made, stopped = Early(), [], []
+    for name in ("used", "taken_late", "unused"):
+        _declare(early, name, made, stopped)
+    items = [SimpleNamespace(fixturenames=["tmp_path"]), SimpleNamespace(fixturenames=["taken_late"]),
+             SimpleNamespace(fixturenames=["used", "taken_late"])]
+    assert early.begin(items, {"where": "session"}.get) == ["taken_late", "used"]  # by first user
+    assert early.take("used", {"where": "fixture"}.get) == "USED"
+    main = threading.current_thread().name
+    assert made == [("taken_late", "session", main, "early-starts"), ("used", "session", main, "early-starts")]
+    early.end()
+    assert stopped == ["TAKEN_LATE"]  # "used" is its fixture's to stop; "unused" never started
+    assert early.take("unused", {"where": "fixture"}.get) == "UNUSED"  # not begun: made by the fixture, at once
+    assert made[-1] == ("unused", "fixture", main, main)
+
+
+def test_a_start_that_failed_fails_the_test_that_takes_it_and_nothing_is_stopped():
+    early, made, stopped = Early(), [], []
+    _declare(early, "broken", made, stopped, fails=True)
+    early.begin([SimpleNamespace(fixturenames=["broken"])], {"where": "session"}.get)
+    with pytest.raises(RuntimeError, match="broken did not start"):
+        early.take("broken", {"where": "fixture"}.get)
+    early.end()
+    assert stopped == []
