@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+from confluent_kafka import KafkaException
 
 from forge_stream.bench.cpu import CpuParts, cpu_used, proc_tree_cpu, processes
 from forge_stream.bench.learning_result import describe, describe_kinds, overall, seed_result, summarize
@@ -298,7 +299,11 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         shown = 0
         while time.monotonic() < deadline:
             time.sleep(min(30.0, max(0.0, deadline - time.monotonic())))
-            steps = _train_steps(cfg.bootstrap, run_id)
+            try:
+                steps = _train_steps(cfg.bootstrap, run_id)
+            except KafkaException as exc:  # the progress lines only: a busy broker answers at the next poll
+                progress(f"{tag}   (no progress line this time: reading {TOPICS.train_metrics.name} failed: {exc})")
+                continue
             for step in steps[shown:]:
                 progress(f"{tag}   step {step['step']}: outcome reward {step['outcome_reward']:.3f}, "
                          f"loss {step['loss']:.4f}, mismatch {step['mismatch_mean']:.4f}, groups {step['groups']}")
