@@ -28,9 +28,9 @@ NEXT_TOP = 20  # probe_next: log-probs compared after each prefix (vLLM's most l
 def reference_logprobs(model_dir: str, ids: list[int], settings: VllmEngineSettings,
                        resident: lora.ResidentBase | None = None):
     """log p(. | ids[:i]) for i in 1..len(ids), a (len(ids), vocab) tensor, under the version in `model_dir` (full
-    weights, or an adapter run by peft on its base model, not merged), on this process's CPU in the settings' dtype. An adapter goes onto `resident`'s
-    base when one is given (read from disk once and kept, so a version costs its adapter), else onto a base read
-    from disk.
+    weights, or an adapter run by peft on its base model, not merged), on this process's CPU in the settings' dtype.
+    An adapter goes onto `resident`'s base when one is given (read from disk once and kept, so a version costs its
+    adapter), else onto a base read from disk.
 
     Beside vLLM on a CPU host it runs on one thread: vLLM's workers hold the cores, and with two threads each matrix
     product waits for the one that lost its core (SmolLM2-135M: 3-4 s a forward pass against 0.3-0.4 s)."""

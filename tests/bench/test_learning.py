@@ -145,6 +145,7 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     tasks = list(itertools.islice(load_task_source(s.test_source), 20))
     assert {t.domain for t in tasks} == {"times", "copy"} and {t.prompt["temperature"] for t in tasks} == {0.7}
     assert (s.lr, s.updates_per_batch, s.engine_load_interval) == (1e-5, 1, 30.0)
+    assert (s.rl_minutes, s.batch_size, s.test_tasks) == (10.0, 4, 400)  # the settings chosen on validation
     assert seen["warm"] == {"pretrained": str(model), "model_dir": str(model)}
     assert LearningSettings().test_source == "suite:test"  # the tiny model's: whatever the mix
     assert LearningSettings(temperature=0.5).test_source == "suite:test?temperature=0.5"

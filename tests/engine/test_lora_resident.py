@@ -29,12 +29,14 @@ def test_adapter_versions_on_a_resident_base_equal_a_fresh_load(tiny_model_dir, 
     seen = []
     for version in (first, second, third):
         served = reference_logprobs(str(version), ids, settings, resident)
-        assert torch.equal(served, reference_logprobs(str(version), ids, settings))  # a fresh base from disk, bit for bit
+        # a fresh base from disk, bit for bit
+        assert torch.equal(served, reference_logprobs(str(version), ids, settings))
         seen.append(served)
         if version == first:
             with pytest.raises(ValueError):
                 reference_logprobs(str(corrupt), ids, settings, resident)
-    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # each version's adapter moved them its own way
+    # each version's adapter moved them its own way
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     assert resident.loads == 2  # once, and once more after the unreadable adapter (peft may have half-adapted it)
     fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with resident.adapted(first) as model, model.disable_adapter(), torch.no_grad():  # the base is as read from disk
