@@ -4,8 +4,9 @@ for full fine-tuning and LoRA alike.
 - `sync_bytes`: the bytes of the weight files one version publishes (PolicyVersion.size_bytes, the median over the
   run's versions): the model's size for full weights, the adapter's with LoRA.
 - `sync_s`: for each version some answer was served under, the seconds from its PolicyVersion's `event_time` (the
-  trainer publishes it once the checkpoint is written) to the earliest `first_token_ms` of a Completion labelled
-  with that version, the moment the engine was seen serving it; the median and the max over those versions.
+  trainer publishes it once the checkpoint is written) to the earliest moment the engine was seen serving it: the
+  first token of a Completion labelled with that version (`first_token_ms`, streamed calls), or the end of one
+  (`done_ms`, calls answered whole, which carry no first token); the median and the max over those versions.
   Versions no answer was served under (an engine skips to the newest version after a slow load) count in
   `sync_versions_unserved`.
 """
@@ -23,7 +24,8 @@ def sync_summary(versions: list[dict], completions: list[dict]) -> dict:
     ...             {"version": 2, "event_time": 5_000, "size_bytes": 9_800_000},
     ...             {"version": 3, "event_time": 6_000, "size_bytes": 9_800_000}]
     >>> answers = [{"policy_version": 0, "first_token_ms": 1_200}, {"policy_version": 1, "first_token_ms": 1_900},
-    ...            {"policy_version": 1, "first_token_ms": 1_500}, {"policy_version": 3, "first_token_ms": 9_000}]
+    ...            {"policy_version": 1, "first_token_ms": None, "done_ms": 1_500},
+    ...            {"policy_version": 3, "first_token_ms": 9_000, "done_ms": 9_100}]
     >>> sync_summary(versions, answers)
     {'sync_bytes': 9800000, 'sync_s': {'median': 1.75, 'max': 3.0}, 'sync_versions': 2, 'sync_versions_unserved': 1}
     """
@@ -32,7 +34,8 @@ def sync_summary(versions: list[dict], completions: list[dict]) -> dict:
         published[record["version"]] = record["event_time"]
     first: dict[int, int] = {}
     for answer in completions:
-        version, at = answer["policy_version"], answer.get("first_token_ms")
+        version = answer["policy_version"]
+        at = answer.get("first_token_ms") if answer.get("first_token_ms") is not None else answer.get("done_ms")
         if version in published and at is not None and (version not in first or at < first[version]):
             first[version] = at
     delays = [max(0, first[v] - published[v]) / 1000 for v in sorted(first)]
