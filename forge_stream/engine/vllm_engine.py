@@ -101,13 +101,21 @@ async def _relay(request: Request, path: str) -> Response:
     if not isinstance(body, dict):
         return _error(400, "The body must be a JSON object.", "BadRequestError")
     version = await state.gate.enter()
-    body["model"] = state.adapters.get(version, state.settings.name)
+    model = body["model"] = state.model_for(version)
+
+    def leave() -> None:
+        state.release(model)
+        state.gate.leave()
+
     try:
         upstream = await state.http.post(state.vllm_url + path, data=orjson.dumps(body),
                                          headers={"content-type": "application/json"})
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        state.gate.leave()
+        leave()
         return _error(503, f"vLLM did not answer ({type(exc).__name__}); retry shortly.", "ServiceUnavailableError")
+    except BaseException:
+        leave()
+        raise
     tag = b'{"policy_version":%d,' % version
     if body.get("stream") and upstream.status == 200:
         left = False
@@ -117,7 +125,7 @@ async def _relay(request: Request, path: str) -> Response:
             if not left:
                 left = True
                 upstream.release()
-                state.gate.leave()
+                leave()
 
         async def relay():
             try:
@@ -133,7 +141,7 @@ async def _relay(request: Request, path: str) -> Response:
         content = await upstream.read()
     finally:
         upstream.release()
-        state.gate.leave()
+        leave()
     if upstream.status == 200 and content.startswith(b"{"):
         content = tag + content[1:]
     return Response(content, status_code=upstream.status, media_type="application/json")

@@ -13,7 +13,8 @@ and then the front maps the version to that name: a request entering the gate fr
 new adapter's name and labelled with its version, whatever model name the agent sent, while those in flight finish
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
 already running keep their adapter), so vLLM holds at most two: the served one and one being proven. Its held folder
-is kept until the next switch, so vLLM can read it again for a request still running. An adapter that cannot be
+is kept until the last request sent under it has ended (EngineState.retire), as vLLM reads it again for such a
+request whenever the adapter is not among those it holds. An adapter that cannot be
 read or proven is unloaded again and never announced (the failure is raised for forge_stream.engine.follower to
 log): the last proven version stays served. A version whose adapter is the served one byte for byte (a trainer step
 that changed no weight) is announced on the served adapter.
@@ -66,8 +67,10 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     except Exception as exc:
         await _unload(state, name)
         raise NotServed(f"LoRA adapter: it was not proven ({type(exc).__name__}: {exc})") from exc
+    previous = state.serving
     _switch(state, checkpoint, held, version, name, fingerprint, mismatch)
     if current is not None:
+        state.retire(current, previous)
         await _unload(state, current)
     within = f"{mismatch:.1e}" if mismatch is not None else "(no probe)"
     return Applied(True, f"LoRA adapter {name} ({lora.weight_bytes(held)} bytes) loaded in {loaded:.3f}s, probe "
@@ -78,9 +81,6 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
 def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name: str, fingerprint: str | None,
             mismatch: float | None) -> None:
     """From now on requests enter under `version`, sent to adapter `name` (loaded from `held`)."""
-    if state.retired and state.retired != state.settings.model:
-        shutil.rmtree(state.retired, ignore_errors=True)
-    state.retired = state.serving
     state.adapters = {version: name}
     state.checkpoint, state.serving, state.fingerprint = checkpoint, str(held), fingerprint
     state.last_mismatch = mismatch

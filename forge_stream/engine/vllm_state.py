@@ -160,10 +160,40 @@ class EngineState:
     last_mismatch: float | None = None
     mq_poll_s: list[float | None] | None = None  # each worker's, read back once at start-up
     adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
-    retired: str = ""  # the held folder of the adapter served before the current one (requests may still use it)
+    adapter_users: dict[str, int] = field(default_factory=dict)  # adapter name -> requests in flight under it
+    retired: dict[str, str] = field(default_factory=dict)  # adapter name -> held folder, kept for its last users
     resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
     vllm_url: str = VLLM_URL
+
+    def model_for(self, version: int) -> str:
+        """The model name a request that entered the gate under `version` is sent to vLLM with: the version's
+        adapter, counted as in use until `release`, or the base model."""
+        name = self.adapters.get(version)
+        if name is None:
+            return self.settings.name
+        self.adapter_users[name] = self.adapter_users.get(name, 0) + 1
+        return name
+
+    def release(self, name: str) -> None:
+        """A request sent under `name` has ended: a retired adapter's folder goes with its last user."""
+        users = self.adapter_users.get(name, 0) - 1
+        if users > 0:
+            self.adapter_users[name] = users
+            return
+        self.adapter_users.pop(name, None)
+        if name in self.retired:
+            shutil.rmtree(self.retired.pop(name), ignore_errors=True)
+
+    def retire(self, name: str, folder: str) -> None:
+        """Adapter `name` is no longer served. vLLM reads an adapter's folder again whenever a request of it is
+        scheduled and the adapter is not among the few it holds (with one of the next versions being proven, it
+        often is not), and a folder missing then kills vLLM's engine: so the folder stays until the last request
+        sent under `name` has ended."""
+        if self.adapter_users.get(name, 0) > 0:
+            self.retired[name] = folder
+        elif folder != self.settings.model:
+            shutil.rmtree(folder, ignore_errors=True)
 
     @property
     def socket(self) -> Path:

@@ -3,7 +3,9 @@ log-prob probe against peft, and served under the model name agents already use,
 version; an adapter that cannot be read, or that vLLM refuses, is not announced and the last proven version stays
 served; a version with the served adapter's bytes is announced without a load; an adapter is proven and served while
 agents keep sampling (vLLM's CPU LoRA kernels cannot run the prompt log-probs of the full-weight probe beside other
-requests: its worker died on the first adapter of a busy engine).
+requests: its worker died on the first adapter of a busy engine); versions that come faster than requests end keep
+each retired adapter's folder until its last request ended (vLLM reads it again for a request that waited, and died
+when it had gone: `bench learning --lora-rank 8` restarted the engine every few minutes).
 
 vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
 shared by this module's tests, in the background from the session's start (tests/early.py).
@@ -30,6 +32,7 @@ from vllm_support import vllm_socket
 pytestmark = pytest.mark.slow  # real vLLM
 
 TOLERANCE = 1e-3  # nats: vLLM's fp32 CPU kernels against peft
+MAX_BATCH = 4  # sequences vLLM decodes at once: more agents than this keep requests waiting in its queue
 
 
 def _started(get):
@@ -37,7 +40,8 @@ def _started(get):
     log = get("tmp_path_factory").mktemp("vllm-lora") / "engine.log"
     engine = EngineProcess(str(get("tiny_model_dir")), kind="vllm", log_path=log, extra_args=(
         "--served-model-name", "tiny-lora", "--bootstrap-servers", bootstrap, "--policy-run", run,
-        "--lora-rank", "4", "--checkpoint-dir", str(get("tmp_path_factory").getbasetemp())))
+        "--lora-rank", "4", "--checkpoint-dir", str(get("tmp_path_factory").getbasetemp()),
+        "--max-batch-size", str(MAX_BATCH)))
     return lambda: (engine.start(), run, log, bootstrap)
 
 
@@ -170,3 +174,58 @@ def test_an_adapter_is_proven_and_served_while_agents_keep_sampling(lora_engine,
     assert errors == [] and engine.pid == pid, (errors[:3], text[-3000:])
     assert "WorkerProc hit an exception" not in text and "is not served" not in text
     assert httpx.get(f"{engine.url}/health").json()["probe_mismatch"] < TOLERANCE
+
+
+def _held_adapters(engine) -> list[str]:
+    """The version folders this engine holds (its holds folder in the cache directory, named with its pid)."""
+    from forge_stream.settings import ForgeSettings
+
+    return sorted(p.name for held in ForgeSettings().cache_dir.glob(f"engine-held-{engine.pid}-*")
+                  for p in held.iterdir())
+
+
+def test_versions_faster_than_requests_end_keep_each_adapter_until_its_last_request(
+        lora_engine, tiny_model_dir, tmp_path):
+    """Three times as many agents as vLLM decodes at once, with long answers, so requests of each version still wait
+    in vLLM's queue after two more versions were switched in: every one is answered, by the same vLLM, and once they
+    have all ended only the served version's folder is held."""
+    engine, run, log, bootstrap = lora_engine
+    versions = {v: adapter_version(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in range(7, 11)}
+    prompt = [11, 2, 250, 61, 8, 140]
+    pid, stop, served, errors = engine.pid, threading.Event(), [], []
+
+    def agent() -> None:
+        body = {"model": "an-agent", "prompt": prompt, "max_tokens": 96, "min_tokens": 96, "temperature": 1.0}
+        while not stop.is_set():
+            try:
+                response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
+                response.raise_for_status()
+                served.append(response.json()["policy_version"])
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+
+    agents = [threading.Thread(target=agent) for _ in range(3 * MAX_BATCH)]
+    for thread in agents:
+        thread.start()
+    try:
+        until(lambda: len(served) >= MAX_BATCH, 180, "the agents got no answers")
+        logged = len(log.read_text())
+        for version, folder in versions.items():
+            publish_adapter_version(bootstrap, run, version, folder)
+            until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == version, 180,
+                  lambda: f"version {version} not served; see {log}")
+        answered = len(served)
+        until(lambda: len(served) >= answered + MAX_BATCH, 180, "the engine stopped answering after the loads")
+    finally:
+        stop.set()
+        for thread in agents:
+            thread.join()
+
+    text = log.read_text()[logged:]
+    assert errors == [] and engine.pid == pid, (errors[:3], text[-3000:])
+    assert "No adapter found" not in text and "EngineDeadError" not in text, text[-3000:]
+    assert set(versions) & set(served), f"no answer under the new versions: {sorted(set(served))}"
+    health = httpx.get(f"{engine.url}/health").json()
+    assert health["policy_version"] == 10 and health["lora_adapter"].startswith("policy-v10-")
+    held = _held_adapters(engine)
+    assert len(held) == 1 and held[0].startswith("v000010-"), held
