@@ -12,6 +12,14 @@ from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
 # request on a connection the engine is closing (uvicorn's default is 5 s)
 KEEP_ALIVE_S = 30
 
+# the options both engines take
+BootstrapOption = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
+                               help="Follow forge.policy on this Kafka and load each new version.")
+PolicyRunOption = typer.Option("default", help="Which training run's versions to follow on forge.policy.")
+TokenOption = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
+                           help="Require this bearer token on every route but /health (needed to listen beyond "
+                                "loopback); the gateway sends it with --engine-token.")
+
 app = typer.Typer(no_args_is_help=True, help="Rollout engines (OpenAI protocol): the local torch engine and real vLLM.")
 
 
@@ -34,12 +42,9 @@ def serve(
     dtype: str = typer.Option("float32", help="torch dtype of the weights."),
     logprobs_mode: str = typer.Option("processed", help="processed: logprobs of the distribution sampled from "
                                                         "(after temperature, top_p); raw: the model's at T=1."),
-    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
-                                          help="Follow forge.policy on this Kafka and load each new version."),
-    policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
-    token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
-                              help="Require this bearer token on every route but /health (needed to listen beyond "
-                                   "loopback); the gateway sends it with --engine-token."),
+    bootstrap_servers: str = BootstrapOption,
+    policy_run: str = PolicyRunOption,
+    token: str = TokenOption,
     checkpoint_dir: str = typer.Option(None, help="The checkpoint store: weights load (/v1/admin/load_weights, a "
                                                   "forge.policy record) only from directories inside it "
                                                   "(default: $FORGE_HOME/checkpoints, where `train` writes)."),
@@ -122,12 +127,9 @@ def vllm(
                                                  "adapter at run time, without a drain or a load interval."),
     vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
                                                 "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
-    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", envvar="FORGE_BOOTSTRAP_SERVERS",
-                                          help="Follow forge.policy on this Kafka and load each new version."),
-    policy_run: str = typer.Option("default", help="Which training run's versions to follow on forge.policy."),
-    token: str = typer.Option(None, envvar="FORGE_ENGINE_TOKEN",
-                              help="Require this bearer token on every route but /health (needed to listen beyond "
-                                   "loopback); the gateway sends it with --engine-token."),
+    bootstrap_servers: str = BootstrapOption,
+    policy_run: str = PolicyRunOption,
+    token: str = TokenOption,
     checkpoint_dir: str = typer.Option(None, help="The checkpoint store: a forge.policy record loads only from a "
                                                   "directory inside it (default: $FORGE_HOME/checkpoints, where "
                                                   "`train` writes)."),
