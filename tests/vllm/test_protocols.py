@@ -72,7 +72,8 @@ def test_every_protocol_records_vllms_exact_tokens(vllm_engine, vllm_gateway, ti
                      key=lambda r: (r["turn"], r["choice_index"]))
     assert [(r["turn"], r["choice_index"]) for r in records] == [
         (0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (6, 0), (7, 0), (8, 0), (9, 0)]
-    version = vllm_engine.health()["policy_version"]
+    health = vllm_engine.health()  # the package's engine may serve a version another test pushed
+    version, served = health["policy_version"], health["checkpoint"]
     for r in records:
         assert r["trainable"], (r["turn"], r["untrainable_reason"])
         assert r["policy_version"] == version
@@ -90,7 +91,7 @@ def test_every_protocol_records_vllms_exact_tokens(vllm_engine, vllm_gateway, ti
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in tokenizer.decode(records[3]["prompt_token_ids"])
     assert records[3]["completion_token_ids"] == answers[2]["choices"][0]["token_ids"]
     # the trainer's own forward pass at the served weights gives the recorded (processed, T=1) log-probs
-    expected = trainer_logprobs(tiny_model_dir, records)
+    expected = trainer_logprobs(served, records)
     mismatch = max((torch.tensor(r["completion_logprobs"]) - lp).abs().max().item() for r, lp in zip(records, expected))
     print(f"recorded vLLM log-probs vs the trainer's, {len(records)} completions: max |diff| {mismatch:.2e} nats")
     assert mismatch < 2e-3

@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -65,6 +66,32 @@ def _answer(url: str, prompt: list[int]) -> dict:
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+@contextmanager
+def _agents_sampling(url: str, body: dict, agents: int):
+    """`agents` threads send `body` to the engine without pause until the block ends; yields the policy version of
+    each answer and each error, as they come."""
+    stop, served, errors = threading.Event(), [], []
+
+    def agent() -> None:
+        while not stop.is_set():
+            try:
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+                response.raise_for_status()
+                served.append(response.json()["policy_version"])
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=agent) for _ in range(agents)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield served, errors
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
 
 
 def _peft_logprobs(folder, prompt: list[int], completion: list[int]) -> list[float]:
@@ -138,37 +165,19 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     assert sorted(listed) == sorted(["tiny-lora", next(n for n in listed if n.startswith("policy-v3-"))])
 
 
-
 def test_an_adapter_is_proven_and_served_while_agents_keep_sampling(lora_engine, tiny_model_dir, tmp_path):
     engine, run, log, bootstrap = lora_engine
     version = adapter_version(tiny_model_dir, tmp_path / "v6", seed=6)
     prompt = [9, 31, 400, 77, 5, 18]
-    pid, stop, served, errors = engine.pid, threading.Event(), [], []
-
-    def agent() -> None:
-        body = {"model": "an-agent", "prompt": prompt, "max_tokens": 32, "temperature": 1.0}
-        while not stop.is_set():
-            try:
-                response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60)
-                response.raise_for_status()
-                served.append(response.json()["policy_version"])
-            except httpx.HTTPError as exc:
-                errors.append(repr(exc))
-
-    agents = [threading.Thread(target=agent) for _ in range(4)]
-    for thread in agents:
-        thread.start()
-    try:
+    pid = engine.pid
+    body = {"model": "an-agent", "prompt": prompt, "max_tokens": 32, "temperature": 1.0}
+    with _agents_sampling(engine.url, body, 4) as (served, errors):
         until(lambda: len(served) >= 8, 120, "the agents got no answers")
         logged = len(log.read_text())
         publish_adapter_version(bootstrap, run, 6, version)
         until(lambda: 6 in served, 180, lambda: f"version 6 not served; see {log}")
         answered = len(served)
         until(lambda: len(served) >= answered + 8, 120, "the engine stopped answering after the load")
-    finally:
-        stop.set()
-        for thread in agents:
-            thread.join()
 
     text = log.read_text()[logged:]  # since the publish (the rank-16 adapter above fails in vLLM's worker, as meant)
     assert errors == [] and engine.pid == pid, (errors[:3], text[-3000:])
@@ -192,22 +201,9 @@ def test_versions_faster_than_requests_end_keep_each_adapter_until_its_last_requ
     engine, run, log, bootstrap = lora_engine
     versions = {v: adapter_version(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in range(7, 11)}
     prompt = [11, 2, 250, 61, 8, 140]
-    pid, stop, served, errors = engine.pid, threading.Event(), [], []
-
-    def agent() -> None:
-        body = {"model": "an-agent", "prompt": prompt, "max_tokens": 96, "min_tokens": 96, "temperature": 1.0}
-        while not stop.is_set():
-            try:
-                response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
-                response.raise_for_status()
-                served.append(response.json()["policy_version"])
-            except httpx.HTTPError as exc:
-                errors.append(repr(exc))
-
-    agents = [threading.Thread(target=agent) for _ in range(3 * MAX_BATCH)]
-    for thread in agents:
-        thread.start()
-    try:
+    pid = engine.pid
+    body = {"model": "an-agent", "prompt": prompt, "max_tokens": 96, "min_tokens": 96, "temperature": 1.0}
+    with _agents_sampling(engine.url, body, 3 * MAX_BATCH) as (served, errors):
         until(lambda: len(served) >= MAX_BATCH, 180, "the agents got no answers")
         logged = len(log.read_text())
         for version, folder in versions.items():
@@ -216,10 +212,6 @@ def test_versions_faster_than_requests_end_keep_each_adapter_until_its_last_requ
                   lambda: f"version {version} not served; see {log}")
         answered = len(served)
         until(lambda: len(served) >= answered + MAX_BATCH, 180, "the engine stopped answering after the loads")
-    finally:
-        stop.set()
-        for thread in agents:
-            thread.join()
 
     text = log.read_text()[logged:]
     assert errors == [] and engine.pid == pid, (errors[:3], text[-3000:])
