@@ -51,14 +51,10 @@ def serve(
     wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
-    import uvicorn
-
-    from forge_stream.engine.api import create_app
-    from forge_stream.engine.serving import EngineService
     from forge_stream.engine.settings import EngineSettings
     from forge_stream.settings import ForgeSettings
 
-    try:
+    try:  # before torch and transformers are imported: a refused setting is said at once
         settings = EngineSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                                   policy_version=policy_version, max_batch_size=max_batch_size,
                                   max_model_len=max_model_len, dtype=dtype, device=device,
@@ -69,6 +65,11 @@ def serve(
         raise user_error(str(exc)) from None
     if bootstrap_servers:
         ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers), wait=wait_for_kafka)
+    import uvicorn
+
+    from forge_stream.engine.api import create_app
+    from forge_stream.engine.serving import EngineService
+
     # its own lines (ready, each policy version loaded) dated like the other services'; uvicorn's and aiokafka's
     # (the policy follower) at warning; no progress bar for each checkpoint loaded (a log, not a terminal)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
