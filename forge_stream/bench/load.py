@@ -227,7 +227,9 @@ def still_running(started: set[tuple[int, int]]) -> list[str]:
     for pid, start in sorted(started):
         if procs.get(pid, (0, None))[1] == start:
             try:
-                out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                # empty for a moment inside exec (and for a zombie): its name then, so the entry still says something
+                out.append(command or f"[{Path(f'/proc/{pid}/comm').read_text().strip()}]")
             except OSError:  # it ended meanwhile
                 continue
     return out

@@ -40,10 +40,12 @@ def test_bench_load_reports_turns_recorded_twice_and_stops_every_process_it_star
     assert result["duplicate_turns"] == 0, result
 
 
-# starts one process when told to, says its pid and reaps it when it ends
+# starts one process when told to, says its pid once that process runs its own code, and reaps it when it ends.
+# (Right after exec, /proc/<pid>/cmdline reads empty for a moment: the kernel sets the new arguments last.)
 PARENT = ("import subprocess, sys\nsys.stdin.readline()\n"
-          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-          "print(child.pid, flush=True)\nchild.wait()\n")
+          "child = subprocess.Popen([sys.executable, '-c', 'import time; print(flush=True); time.sleep(60)'],\n"
+          "                         stdout=subprocess.PIPE)\n"
+          "child.stdout.readline()\nprint(child.pid, flush=True)\nchild.wait()\n")
 
 
 def test_a_process_left_running_is_counted_until_it_ends():
