@@ -6,7 +6,7 @@ vLLM serves adapters beside its base model, each under a name of its own, loaded
 (`POST /v1/load_lora_adapter`, with VLLM_ALLOW_RUNTIME_LORA_UPDATING set by the launcher). So a version needs no
 drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven by the probe
 (vLLM's next-token log-probs under the adapter, batched with the agents' requests, against peft's on this CPU,
-forge_stream.engine.vllm_probe.probe_next;
+forge_stream.engine.vllm_probe.sample_next and matched_next; peft's pass runs while vLLM loads and samples;
 peft runs the adapter on a base model this front reads from disk at the first adapter version and keeps,
 forge_stream.lora.ResidentBase, so a version costs its adapter's bytes and one forward pass, not a base load),
 and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
@@ -35,7 +35,7 @@ from forge_stream import lora
 from forge_stream.engine.follower import Applied, NotServed
 from forge_stream.engine.probe import probe_ids
 from forge_stream.engine.vllm_holds import weights_fingerprint
-from forge_stream.engine.vllm_probe import probe_next, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_probe import matched_next, reference_logprobs, sample_next, vocab_size
 from forge_stream.engine.vllm_state import EngineState
 from forge_stream.engine.vllm_sync import WorkerError
 
@@ -53,17 +53,21 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     ids = probe_ids(vocab_size(held))
     if settings.probe and state.resident is None:  # the probe's base model, read at the first adapter, kept
         state.resident = lora.ResidentBase(getattr(torch, settings.dtype))
-    expected = (await asyncio.to_thread(reference_logprobs, str(held), ids, settings, state.resident)
-                if settings.probe else None)
     name = f"policy-v{version}-{held.name.rsplit('-', 1)[-1]}"
-    loading = time.monotonic()
+    took: dict[str, float] = {}
+    # peft's reference pass on this front's core while vLLM loads the adapter and samples the probe on its own
+    results = await asyncio.gather(_reference(state, held, ids, took), _load_and_sample(state, held, ids, name, took),
+                                   return_exceptions=True)  # both end before anything goes on: one holds the base
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        if "vLLM load" in took:  # loaded, not proven
+            await _unload(state, name)
+        if isinstance(failed, NotServed):
+            raise failed
+        raise NotServed(f"LoRA adapter: it was not proven ({type(failed).__name__}: {failed})") from failed
+    expected, rows = results
     try:
-        await _lora_call(state, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
-    except Exception as exc:
-        raise NotServed(f"LoRA adapter: vLLM did not load it ({type(exc).__name__}: {exc})") from exc
-    loaded = time.monotonic() - loading
-    try:
-        mismatch = await probe_next(state, ids, expected, name) if expected is not None else None
+        mismatch = matched_next(rows, expected, state) if expected is not None else None
     except Exception as exc:
         await _unload(state, name)
         raise NotServed(f"LoRA adapter: it was not proven ({type(exc).__name__}: {exc})") from exc
@@ -73,9 +77,36 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
         state.retire(current, previous)
         await _unload(state, current)
     within = f"{mismatch:.1e}" if mismatch is not None else "(no probe)"
-    return Applied(True, f"LoRA adapter {name} ({lora.weight_bytes(held)} bytes) loaded in {loaded:.3f}s, probe "
-                         f"log-probs within {within} of peft's; no request held; "
-                         f"{time.monotonic() - began:.2f}s in all")
+    timings = ", ".join(f"{step} {took[step]:.2f}s" for step in ("peft reference", "vLLM load", "vLLM probe")
+                        if step in took)
+    return Applied(True, f"LoRA adapter {name} ({lora.weight_bytes(held)} bytes) loaded, probe log-probs within "
+                         f"{within} of peft's; no request held; {timings}; {time.monotonic() - began:.2f}s in all")
+
+
+async def _reference(state: EngineState, held: Path, ids: list[int], took: dict[str, float]):
+    """peft's log-probs of the probe sequence under the adapter in `held` (None when the probe is off)."""
+    if not state.settings.probe:
+        return None
+    start = time.monotonic()
+    expected = await asyncio.to_thread(reference_logprobs, str(held), ids, state.settings, state.resident)
+    took["peft reference"] = time.monotonic() - start
+    return expected
+
+
+async def _load_and_sample(state: EngineState, held: Path, ids: list[int], name: str, took: dict[str, float]):
+    """Load the adapter in `held` into vLLM as `name`, then sample the probe under it (None when the probe is off)."""
+    start = time.monotonic()
+    try:
+        await _lora_call(state, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
+    except Exception as exc:
+        raise NotServed(f"LoRA adapter: vLLM did not load it ({type(exc).__name__}: {exc})") from exc
+    took["vLLM load"] = time.monotonic() - start
+    if not state.settings.probe:
+        return None
+    start = time.monotonic()
+    rows = await sample_next(state, ids, name)
+    took["vLLM probe"] = time.monotonic() - start
+    return rows
 
 
 def _switch(state: EngineState, checkpoint: str, held: Path, version: int, name: str, fingerprint: str | None,

@@ -7,7 +7,7 @@ Full weights are proven on the prompt log-probs of the whole sequence (`probe`),
 request. An adapter is loaded while agents keep sampling, and vLLM 0.32's CPU LoRA kernels cannot compute prompt
 log-probs in a batch with other requests (punica's `add_lora_logits` meets one row per prompt position against one
 LoRA index per sampled sequence, and the worker dies on the einsum), so an adapter is proven on decoding requests, as
-agents' run: the top next-token log-probs after a few prefixes of the sequence (`probe_next`).
+agents' run: the top next-token log-probs after a few prefixes of the sequence (`sample_next`, `matched_next`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from forge_stream.engine.probe import PROBE_TOKENS, model_logprob_rows, sequence
 from forge_stream.engine.vllm_state import EngineState, VllmEngineSettings
 from forge_stream.engine.vllm_sync import WorkerError
 
-NEXT_PREFIXES = (12, 24, 36, PROBE_TOKENS)  # probe_next: the prefixes whose next-token distribution is compared
-NEXT_TOP = 20  # probe_next: log-probs compared after each prefix (vLLM's most likely tokens)
+NEXT_PREFIXES = (12, 24, 36, PROBE_TOKENS)  # sample_next: the prefixes whose next-token distribution is compared
+NEXT_TOP = 20  # sample_next: log-probs compared after each prefix (vLLM's most likely tokens)
+PROBE_PRIORITY = -1  # sample_next: below agents' 0, so vLLM (--scheduling-policy priority) schedules a probe first
 
 
 def reference_logprobs(model_dir: str, ids: list[int], settings: VllmEngineSettings,
@@ -65,26 +66,40 @@ async def probe(state: EngineState, ids: list[int], expected: list[float], model
     return _matched(got, sequence_logprobs(expected, ids), state)
 
 
-async def probe_next(state: EngineState, ids: list[int], expected, model: str) -> float:
+async def sample_next(state: EngineState, ids: list[int], model: str) -> list[tuple[int, dict[int, float]]]:
     """vLLM's NEXT_TOP most likely next tokens, with their log-probs, after each of NEXT_PREFIXES of `ids` under
-    `model` (one decoding request a prefix, batched with whatever else vLLM runs) against `expected`
-    (reference_logprobs); the largest difference, or WorkerError if they do not match."""
+    `model` (one decoding request a prefix, batched with whatever else vLLM runs, ahead of agents' requests that
+    wait): (prefix length, {token id: log-prob}) a prefix, for `matched_next`."""
     prefixes = [ids[:n] for n in NEXT_PREFIXES]
     response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
         "model": model, "prompt": prefixes, "max_tokens": 1, "logprobs": NEXT_TOP, "temperature": 1.0,
-        "return_tokens_as_token_ids": True})
+        "return_tokens_as_token_ids": True, **_first(state.settings)})
     if response.status_code != 200:
         raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
-    got, want = [], []
+    rows = []
     for choice in response.json()["choices"]:
-        row = expected[len(prefixes[choice["index"]]) - 1]
         top = choice["logprobs"]["top_logprobs"][0]
         if len(top) < NEXT_TOP:
             raise WorkerError(f"probe request: {len(top)} next-token log-probs, not {NEXT_TOP}")
+        rows.append((len(prefixes[choice["index"]]),
+                     {int(token.removeprefix("token_id:")): value for token, value in top.items()}))
+    return rows
+
+
+def matched_next(rows: list[tuple[int, dict[int, float]]], expected, state: EngineState) -> float:
+    """`sample_next`'s answer against `expected` (reference_logprobs): the largest difference, or WorkerError if they
+    do not match."""
+    got, want = [], []
+    for length, top in rows:
         for token, value in top.items():
             got.append(value)
-            want.append(row[int(token.removeprefix("token_id:"))].item())
+            want.append(expected[length - 1][token].item())
     return _matched(got, want, state)
+
+
+def _first(settings: VllmEngineSettings) -> dict:
+    """The request field that puts a probe ahead of agents' waiting requests, where vLLM schedules by priority."""
+    return {"priority": PROBE_PRIORITY} if settings.lora_rank else {}
 
 
 def _matched(got: list[float], expected: list[float], state: EngineState) -> float:

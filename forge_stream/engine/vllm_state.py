@@ -36,7 +36,10 @@ CPU_BLOCK_SIZE = 32
 VLLM_URL = "http://vllm"  # vLLM's server, over its Unix socket (the host name is not used)
 PRIVATE_PREFIX = "engine-vllm-"  # + the engine's pid: the folder of vLLM's socket in the cache directory
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (Linux: 108 with the final NUL)
-MAX_LORAS = 2  # adapters in one batch: the served version's, and the one being probed or still finishing
+# adapters in one batch: the served version's, the one being proven, and two retired ones whose requests still run
+# (vLLM schedules no request of a further adapter while the batch holds MAX_LORAS: with 2, a new version's probe
+# waited until every request of the version before the served one had ended, seconds under load)
+MAX_LORAS = 4
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32.0 takes
 
 
@@ -105,8 +108,10 @@ class VllmEngineSettings:
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.lora_rank:
+            # priority: a new adapter's probe (forge_stream.engine.vllm_probe.sample_next) goes ahead of agents'
+            # waiting requests, which all keep vLLM's default priority and so its first-come order
             argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
-                     "--max-loras", str(MAX_LORAS)]
+                     "--max-loras", str(MAX_LORAS), "--scheduling-policy", "priority"]
         return argv + list(self.extra_args)
 
 

@@ -119,11 +119,13 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     first = until(lambda: (a := _answer(engine.url, prompt))["policy_version"] == 1 and a, 120,
                   lambda: f"version 1 not served; see {log}")
     took = time.monotonic() - published
-    loaded = re.search(r"LoRA adapter (\S+) \((\d+) bytes\) loaded in ([\d.]+)s, probe log-probs within (\S+)",
+    loaded = re.search(r"LoRA adapter (\S+) \((\d+) bytes\) loaded, probe log-probs within (\S+) of peft's; "
+                       r"no request held; peft reference ([\d.]+)s, vLLM load ([\d.]+)s, vLLM probe ([\d.]+)s",
                        log.read_text())
     assert loaded, log.read_text()[-3000:]
     print(f"vLLM: adapter version 1 ({loaded.group(2)} bytes) published -> first answer under it in {took:.2f}s "
-          f"(load_lora_adapter {loaded.group(3)}s, probe within {loaded.group(4)} nats)")
+          f"(peft reference {loaded.group(4)}s beside load_lora_adapter {loaded.group(5)}s and the probe "
+          f"{loaded.group(6)}s; within {loaded.group(3)} nats)")
     health = httpx.get(f"{engine.url}/health").json()
     assert health["probe_mismatch"] is not None and health["probe_mismatch"] < TOLERANCE
 
