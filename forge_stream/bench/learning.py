@@ -23,8 +23,9 @@ scores each token at the temperature it was sampled at), and the engine is vLLM 
 
 With `lora_rank` the trainer trains a LoRA adapter and the engine serves each adapter version
 (forge_stream.lora). Every seed's result reports how fast versions reached the rollouts, for full fine-tuning and
-LoRA alike: `sync_bytes`, `sync_s` and the versions counted (forge_stream.bench.policy_sync), beside
-`staleness_mean`.
+LoRA alike: `sync_bytes`, `sync_s` and the versions counted (forge_stream.bench.policy_sync), `switch_s` (the
+engine's own count, from its /health: publication to the engine serving the version, median and max, before any
+answer under it has had time to finish), beside `staleness_mean`.
 
 The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
 improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
@@ -130,13 +131,14 @@ def _served_version(engine_url: str) -> int | None:
 
 
 def _engine_loads(engine_url: str) -> dict:
-    """The engine's weight-load counts from its /health (loads, failed_loads, and vLLM's renamed_versions); {} from an
-    engine that keeps none or does not answer."""
+    """The engine's weight-load counts from its /health (loads, failed_loads, and vLLM's renamed_versions) and its
+    publication-to-serving seconds (switch_s); {} from an engine that keeps none or does not answer."""
     try:
         health = httpx.get(f"{engine_url}/health", timeout=10).json()
     except (httpx.TransportError, ValueError):
         return {}
-    return {key: health[key] for key in ("loads", "renamed_versions", "failed_loads") if health.get(key) is not None}
+    return {key: health[key] for key in ("loads", "renamed_versions", "failed_loads", "switch_s")
+            if health.get(key) is not None}
 
 
 SERVE_WAIT_S = 120.0  # how long the bench waits, after RL, for the engine to serve the last version
@@ -345,8 +347,10 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         submitted = _submitted_groups(cfg.bootstrap, run_id)
         answered = read_slice(cfg.bootstrap, TOPICS.completions, Slice(start_ms=rl_started_ms, end_ms=stopped_ms))
         sync = sync_summary(_policy_versions(cfg.bootstrap, run_id), [e.record for e in answered])
-        progress(f"{tag}   policy sync: {sync}")
+        switch = engine_loads.pop("switch_s", None)
+        progress(f"{tag}   policy sync: {sync}, switch_s {switch}")
         return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
+                "switch_s": switch,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),

@@ -100,6 +100,7 @@ async def health(request: Request) -> HealthResponse:
     health = engine.health()
     if follower is not None:
         health.loads, health.failed_loads = follower.loads, follower.failed
+        health.switch_s = follower.health()["switch_s"]
     return health
 
 

@@ -26,8 +26,10 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 from forge_stream.kafka.follow import Follower
 from forge_stream.topics import TOPICS
@@ -35,6 +37,7 @@ from forge_stream.topics import TOPICS
 log = logging.getLogger(__name__)
 
 MAX_WHY = 600  # characters of a failure's message in its log line
+SWITCHES_KEPT = 1000  # FollowerStatus.switch_s: the versions /health summarises
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,15 @@ class FollowerStatus:
     renamed: int = 0  # versions announced on the served weights, without a load
     failed: int = 0  # versions not served (unreadable, refused, not proven)
     stopped: str | None = None  # why the follower no longer runs: /health is then not ok
+    # seconds from each served version's publication (its PolicyVersion's event_time) to the engine serving it,
+    # the last SWITCHES_KEPT: the trainer's clock against this host's, so across hosts it holds their skew too
+    switch_s: deque[float] = field(default_factory=lambda: deque(maxlen=SWITCHES_KEPT))
 
     def health(self) -> dict:
-        return {"loads": self.loads, "failed_loads": self.failed, "renamed_versions": self.renamed}
+        switches = sorted(self.switch_s)
+        return {"loads": self.loads, "failed_loads": self.failed, "renamed_versions": self.renamed,
+                "switch_s": {"median": round(median(switches), 3), "max": round(switches[-1], 3),
+                             "versions": len(switches)} if switches else None}
 
 
 def newest(records: list[dict], current: int, current_path: str | None = None) -> dict | None:
@@ -91,14 +100,15 @@ async def follow(bootstrap: str, run: str, served: Served, apply: Apply, status:
             if target is not None and time.monotonic() < load_after:
                 await asyncio.sleep(load_after - time.monotonic())
                 target = newest([target, *await policy.caught_up()], *served())
-            if target is not None and await _apply(target["checkpoint_uri"], target["version"], served, apply,
-                                                   status):
+            if target is not None and await _apply(target, served, apply, status):
                 load_after = time.monotonic() + interval_s
             pending = await policy.caught_up() or await policy.next()
 
 
-async def _apply(checkpoint: str, version: int, served: Served, apply: Apply, status: FollowerStatus) -> bool:
-    """Apply one version, counting and logging how it went; True if its weights were loaded."""
+async def _apply(record: dict, served: Served, apply: Apply, status: FollowerStatus) -> bool:
+    """Apply the version of PolicyVersion `record`, counting, timing and logging how it went; True if its weights were
+    loaded."""
+    checkpoint, version = record["checkpoint_uri"], record["version"]
     try:
         applied = await apply(checkpoint, version)
     except Exception as exc:
@@ -110,7 +120,12 @@ async def _apply(checkpoint: str, version: int, served: Served, apply: Apply, st
         status.loads += 1
     else:
         status.renamed += 1
-    log.info("serving policy version %s from %s: %s", version, checkpoint, applied.detail)
+    published, since = record.get("event_time"), ""
+    if published:
+        delay = max(0.0, time.time() - published / 1000)
+        status.switch_s.append(delay)
+        since = f"; {delay:.2f}s after it was published"
+    log.info("serving policy version %s from %s: %s%s", version, checkpoint, applied.detail, since)
     return applied.loaded
 
 

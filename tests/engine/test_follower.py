@@ -137,6 +137,7 @@ def test_the_engine_serves_on_through_versions_it_cannot_load_and_loads_the_next
         until(lambda: _health(engine.url)["policy_version"] == 1, 60, lambda: f"version 1: {_health(engine.url)}")
         health = _health(engine.url)
         assert (health["status"], health["loads"], health["failed_loads"]) == ("ok", 1, len(broken))
+        assert health["switch_s"]["versions"] == 1 and 0 <= health["switch_s"]["median"] < 60, health
         assert _answer_version(engine.url) == 1
     producer.close()
     lines = (tmp_path / "engine.log").read_text().splitlines()
@@ -148,7 +149,7 @@ def test_the_engine_serves_on_through_versions_it_cannot_load_and_loads_the_next
     for (why, checkpoint), line in zip(broken.items(), refused):
         assert f"at {checkpoint} is not served: " in line and why in line and "still serving version 0" in line, line
     assert any(f"INFO forge_stream.engine.follower: serving policy version 1 from {good}: loaded in "
-               in line for line in lines), lines
+               in line and "s after it was published" in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
 
 

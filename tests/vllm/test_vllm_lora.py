@@ -128,6 +128,8 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
           f"{loaded.group(6)}s; within {loaded.group(3)} nats)")
     health = httpx.get(f"{engine.url}/health").json()
     assert health["probe_mismatch"] is not None and health["probe_mismatch"] < TOLERANCE
+    assert health["switch_s"]["versions"] == 1 and 0 < health["switch_s"]["median"] < 120, health
+    print(f"vLLM: the engine counts {health['switch_s']['median']:.2f}s from version 1's event_time to serving it")
 
     publish_adapter_version(bootstrap, run, 2, corrupt)
     until(lambda: f"policy version 2 at {corrupt} is not served" in log.read_text(), 120,
