@@ -10,6 +10,7 @@ As the session begins, the engine servers its selected tests use start in the ba
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from forge_stream.kafka.admin import create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker, free_port
 from forge_stream.settings import ForgeSettings
 
+import helpers
 from early import EARLY
 
 
@@ -47,6 +49,12 @@ def early_starts(request):
     EARLY.begin(request.session.items, request.getfixturevalue)
     yield
     EARLY.end()
+
+
+@pytest.fixture(autouse=True)
+def _test_started():
+    """When this test began (helpers.since_this_test), taken before its other function-scoped fixtures run."""
+    helpers.TEST_STARTED_MS[0] = int(time.time() * 1000) - 1000
 
 
 @pytest.fixture

@@ -46,11 +46,13 @@ def serving(app, http=CoalescingHttpToolsProtocol) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool]) -> list[dict]:
-    """Every record of `topic` matching `where`, from the beginning to the current end of each partition (events
-    a service acknowledged are all below it). No consumer group is used. Records of a schema the topic does not
-    carry (tests/kafka/test_dlq.py writes a Task to forge.rewards) are passed over."""
-    return [event.record for event in read_slice(bootstrap, topic, Slice())
+def read_events(bootstrap: str, topic: Topic, where: Callable[[dict], bool], since: Slice | None = None
+                ) -> list[dict]:
+    """Every record of `topic` matching `where`, written since the running test began (or in the slice `since`:
+    `Slice()` for every record from the beginning) up to the current end of each partition (events a service
+    acknowledged are all below it). No consumer group is used. Records of a schema the topic does not carry
+    (tests/kafka/test_dlq.py writes a Task to forge.rewards) are passed over."""
+    return [event.record for event in read_slice(bootstrap, topic, since_this_test() if since is None else since)
             if event.schema in topic.value_schemas and where(event.record)]
 
 
@@ -93,6 +95,17 @@ def adapter_version(base: Path, out: Path, seed: int, rank: int = 4, scale: floa
     return out
 
 
+# when the running test began, a second early for the clock's steps (tests/conftest.py sets it before each test)
+TEST_STARTED_MS = [0]
+
+
+def since_this_test() -> Slice:
+    """The slice of a topic written since the running test began: the session broker's topics hold every earlier
+    test's records too, and a read from their start grows slower through the run. For records of groups and sessions
+    the test itself opened."""
+    return Slice(start_ms=TEST_STARTED_MS[0])
+
+
 def group_events(bootstrap: str, group_id: str, group_size: int) -> list[tuple[str, dict]]:
     """A group's events as the processors read them (prompts whole), after a Task for its `group_size` sessions."""
     task = {"event_id": deterministic_id("task", group_id), "event_time": 0, "group_id": group_id, "task_id": "sum",
@@ -100,9 +113,10 @@ def group_events(bootstrap: str, group_id: str, group_size: int) -> list[tuple[s
             "metadata": {}}
     events = [("Task", task)]
     for topic in (TOPICS.sessions, TOPICS.tool_spans, TOPICS.rewards):
-        events += [(e.schema, e.record) for e in read_slice(bootstrap, topic, Slice())
+        events += [(e.schema, e.record) for e in read_slice(bootstrap, topic, since_this_test())
                    if e.record.get("group_id") == group_id]
-    events += [("Completion", r) for r in read_completions(bootstrap, keep=lambda r: r["group_id"] == group_id)]
+    events += [("Completion", r) for r in read_completions(bootstrap, since_this_test(),
+                                                           keep=lambda r: r["group_id"] == group_id)]
     return sorted(events, key=lambda e: e[1]["event_time"])
 
 

@@ -10,6 +10,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from forge_stream.kafka.consumer import low_high, offset_at_time
 from forge_stream.kafka.reader import partition_records
 from forge_stream.topics import TOPICS
 
@@ -48,18 +49,22 @@ def on_one_connection(base_url: str, calls: list[tuple[str, str, bytes | None, d
 GATEWAY_TOPICS = (TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
 
 
-def read_recorded(bootstrap: str, registry_url: str, group_id: str) -> dict[str, list[dict]]:
+def read_recorded(bootstrap: str, registry_url: str, group_id: str, since_ms: int = 0) -> dict[str, list[dict]]:
     """Every event the gateway wrote for `group_id` (the key of its records), topic name -> records in offset order,
     decoded by confluent-kafka's AvroDeserializer with the writer schemas it fetches from the registry API by the id
-    each record carries. Reads each partition from its start to its current end (acknowledged events are below it).
-    """
+    each record carries. Reads each partition from its first record at or after `since_ms` (a time before the group's
+    first event: the session broker's topics hold every earlier test's too) to its current end (acknowledged events
+    are below it)."""
     deserializer = AvroDeserializer(SchemaRegistryClient({"url": registry_url}))
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outside-{group_id}",
                          "enable.auto.commit": False})
     out: dict[str, list[dict]] = {topic.name: [] for topic in GATEWAY_TOPICS}
     try:
         partitions = [(topic.name, partition) for topic in GATEWAY_TOPICS for partition in range(topic.partitions)]
-        for msg in partition_records(consumer, partitions, 10):
+        def since(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
+            return offset_at_time(consumer, topic, partition, since_ms), low_high(consumer, topic, partition)[1]
+
+        for msg in partition_records(consumer, partitions, 10, since):
             if msg.key() == group_id.encode():
                 context = SerializationContext(msg.topic(), MessageField.VALUE)
                 out[msg.topic()].append(deserializer(msg.value(), context))

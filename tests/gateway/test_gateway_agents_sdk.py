@@ -15,7 +15,7 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import read_events
+from helpers import read_events, since_this_test
 
 REPLY = "Hello there, agent."
 
@@ -54,7 +54,7 @@ def test_agents_sdk_tool_agent_is_recorded(kafka_bootstrap, gateway_url, run_id,
     assert output == REPLY and asked == ["paris"]
 
     sid = session["session_id"]
-    records = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == sid),  # prompts whole
+    records = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid),  # prompts whole
                      key=lambda r: r["turn"])
     assert [r["turn"] for r in records] == [0, 1]
     call, answer = records

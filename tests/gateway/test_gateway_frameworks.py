@@ -9,6 +9,7 @@ messages by the `smolagents` span rule)."""
 
 import json
 import os
+import time
 
 import httpx
 import orjson
@@ -204,13 +205,14 @@ FRAMEWORKS = {
 def test_framework_tool_agent_is_recorded(kafka_bootstrap, registry_url, scripted_gateway, run_id, framework,
                                           stream):
     run, calls, metadata, expected, model_calls = FRAMEWORKS[framework]
+    began_ms = int(time.time() * 1000) - 1000  # a second of slack for the clock's steps
     with scripted_gateway((REPLY,), calls) as gateway:
         session = open_session(gateway, run_id, metadata=metadata)
         assert run(session, stream) == expected
         finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish", json={"status": "ok"})
         assert finished.status_code == 200, finished.text
 
-    recorded = read_recorded(kafka_bootstrap, registry_url, run_id)
+    recorded = read_recorded(kafka_bootstrap, registry_url, run_id, since_ms=began_ms)
     started, finish = recorded["forge.sessions"]
     assert started["base_url"] == session["base_url"] and started["metadata"] == metadata
     assert (finish["status"], finish["num_completions"], finish["num_tool_spans"]) == ("ok", model_calls, 1)

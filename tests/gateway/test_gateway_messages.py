@@ -14,7 +14,7 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import ADMIN, open_session
-from helpers import read_events
+from helpers import read_events, since_this_test
 
 TOOL = {"name": "get_weather", "description": "Weather of a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -28,7 +28,7 @@ def _client(session, api_key: str = "unused") -> anthropic.Anthropic:
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

@@ -16,6 +16,7 @@ from forge_stream.kafka.history import read_completions
 
 from early import EARLY
 from gateway_support import open_session
+from helpers import since_this_test
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
@@ -54,7 +55,7 @@ def _client(session) -> OpenAI:
 
 
 def _records(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

@@ -15,7 +15,7 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import read_events, serving
+from helpers import read_events, serving, since_this_test
 
 
 REPLIES = ("Alpha one.", "Beta two, longer.", "Gamma three?")
@@ -99,7 +99,7 @@ def check_recorded(kafka_bootstrap, sid, sent):
             assert r["prompt_ref_messages"] == len(orjson.loads(messages_json)) - 2
             assert len(orjson.loads(r["messages_json"])) == 2
 
-    rebuilt = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == sid),
+    rebuilt = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid),
                      key=lambda r: (r["turn"], r["choice_index"]))
     for r in rebuilt:
         messages_json, prompt_ids = sent[r["turn"]]
@@ -120,7 +120,7 @@ def test_prompt_refs_can_be_turned_off_and_shrink_a_session(kafka_bootstrap, mak
         assert any(r["prompt_ref"] for r in records) == refs
         sizes[refs] = sum(len(encode("Completion", r)) for r in records)
         prompts[refs] = [(r["turn"], r["choice_index"], r["prompt_token_ids"], r["messages_json"]) for r in
-                         sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == sid),
+                         sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid),
                                 key=lambda r: (r["turn"], r["choice_index"]))]
     assert prompts[True] == prompts[False]
     assert sizes[True] < 0.75 * sizes[False], sizes

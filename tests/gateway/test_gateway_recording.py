@@ -8,11 +8,11 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import read_events
+from helpers import read_events, since_this_test
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

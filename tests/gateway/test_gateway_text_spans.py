@@ -19,7 +19,7 @@ from forge_stream.kafka.history import read_completions
 from forge_stream.topics import TOPICS
 
 from gateway_support import open_session
-from helpers import read_events
+from helpers import read_events, since_this_test
 
 KEYS = SessionKeys("s1", "g1", "t1")
 
@@ -76,7 +76,7 @@ def _spans(bootstrap, session_id):
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id),
+    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),
                   key=lambda r: r["turn"])
 
 

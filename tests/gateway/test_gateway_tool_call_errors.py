@@ -8,6 +8,7 @@ import pytest
 from forge_stream.gateway.recording import ChoiceRecord, RequestContext, completion_record
 from forge_stream.kafka.history import read_completions
 
+from helpers import since_this_test
 from gateway_support import open_session
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -53,7 +54,7 @@ def test_gateway_records_why_a_tool_call_did_not_parse(kafka_bootstrap, scripted
         for body in bodies:
             response = httpx.post(url, json={"model": "scripted", "messages": messages, **body})
             assert response.status_code == 200, response.text
-    records = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
+    records = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session["session_id"]),
                      key=lambda r: r["turn"])
     assert [r["tool_call_error"] for r in records] == [INVALID_REASON, UNTERMINATED_REASON, None, None]
     assert [r["output_text"] for r in records] == [BAD_JSON, UNTERMINATED, "", "<tool_call>{oops"]

@@ -19,6 +19,8 @@ from forge_stream.rollout.pool import PooledCommandAgent
 from forge_stream.tasks.spec import TaskSpec
 from forge_stream.topics import TOPICS
 
+from helpers import since_this_test
+
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 # What the warm-start SFT renders its demonstrations with: the agent must use exactly these.
@@ -56,7 +58,7 @@ def test_tools_and_tool_errors():
 
 
 def completions(bootstrap, session_id):
-    found = read_completions(bootstrap, keep=lambda r: r["session_id"] == session_id)  # prompts whole
+    found = read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id)  # prompts whole
     return sorted(found, key=lambda r: r["turn"])
 
 
