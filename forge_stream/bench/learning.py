@@ -230,9 +230,30 @@ def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:
                 exc.result["seeds"] = results
                 raise
         return summarize(s, results, time.monotonic() - started)
+    except Exception as exc:
+        if s.home is None and not isinstance(exc, OutsideBand):  # a refusal says all; a failure needs the logs
+            kept = keep_logs(root)
+            if kept:
+                progress(f"the run failed: its services' logs are kept in {kept} (the rest of its fresh home is "
+                         f"removed; --home DIR keeps all of it)")
+        raise
     finally:
         if s.home is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def keep_logs(root: Path) -> Path | None:
+    """Copy every service log of the seeds' homes under `root` (SEED/run/*.log) to a new folder beside it, keeping
+    their paths below `root`; the folder, or None when there was no log."""
+    logs = sorted(root.glob("*/run/*.log"))
+    if not logs:
+        return None
+    kept = Path(tempfile.mkdtemp(prefix="forge-bench-learning-logs-"))
+    for log in logs:
+        target = kept / log.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, target)
+    return kept
 
 
 def rules(s: LearningSettings) -> list[str]:

@@ -196,6 +196,28 @@ def test_an_engine_that_stops_answering_is_a_clear_error_not_a_traceback(monkeyp
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+def test_a_failed_run_on_a_fresh_home_keeps_its_services_logs(monkeypatch, tmp_path):
+    """Without --home the bench's home is removed at the end; after a failure its services' logs are copied out
+    first, and the output says where."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def fails(s, seed, home, warm_start, progress):
+        (home / "run").mkdir(parents=True)
+        (home / "run" / "engine.log").write_text("EngineDeadError: the reason\n")
+        raise learning.EngineGone(f"[seed {seed}] the engine did not answer")
+
+    monkeypatch.setattr(learning, "warm_start", lambda s, seed, home, progress: warm(0.3))
+    monkeypatch.setattr(learning, "run_seed", fails)
+    result = CliRunner().invoke(app, ["bench", "learning", "--json"])
+    assert result.exit_code == 1 and "error: [seed 0] the engine did not answer" in result.stderr, result.output
+    assert not list(tmp_path.glob("forge-bench-learning-[!l]*"))  # the home is gone
+    [kept] = tmp_path.glob("forge-bench-learning-logs-*")
+    assert (kept / "seed0" / "run" / "engine.log").read_text() == "EngineDeadError: the reason\n"
+    assert f"its services' logs are kept in {kept}" in result.output
+
+
 def test_evaluations_on_different_tasks_are_no_pair():
     with pytest.raises(RuntimeError, match="different test tasks"):
         learning_result.paired_scores(evaluation({"a": 1.0, "b": 0.0}), evaluation({"a": 1.0, "c": 0.0}))
