@@ -25,7 +25,8 @@ With `lora_rank` the trainer trains a LoRA adapter and the engine serves each ad
 (forge_stream.lora). Every seed's result reports how fast versions reached the rollouts, for full fine-tuning and
 LoRA alike: `sync_bytes`, `sync_s` and the versions counted (forge_stream.bench.policy_sync), `switch_s` (the
 engine's own count, from its /health: publication to the engine serving the version, median and max, before any
-answer under it has had time to finish), beside `staleness_mean`.
+answer under it has had time to finish), beside `staleness_mean`. `service_restarts` names each service the
+supervisor restarted during the seed, with how often (empty when none was).
 
 The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
 improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
@@ -370,8 +371,12 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         sync = sync_summary(_policy_versions(cfg.bootstrap, run_id), [e.record for e in answered])
         switch = engine_loads.pop("switch_s", None)
         progress(f"{tag}   policy sync: {sync}, switch_s {switch}")
+        restarts = service_restarts(cfg)
+        if restarts:
+            progress(f"{tag}   services restarted by the supervisor during the run: {restarts} (their logs in "
+                     f"{cfg.run_dir} say why)")
         return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
-                "switch_s": switch,
+                "switch_s": switch, "service_restarts": restarts,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
                 "groups_replayed": sum("replay_of" in t["metadata"] for t in submitted),
@@ -386,6 +391,13 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             from forge_stream.deploy import local_broker
 
             local_broker(cfg).stop()
+
+
+def service_restarts(cfg: ForgeSettings) -> dict[str, int]:
+    """How often the supervisor restarted each service of the topology in `cfg` that it restarted at all (a vLLM
+    engine whose worker died, a crashed trainer): a run with restarts measured a pipeline that stalled meanwhile."""
+    return {name: entry.get("restarts", 0) for name, entry in Supervisor(cfg.run_dir).status().items()
+            if entry.get("restarts")}
 
 
 class NothingTrained(RuntimeError):

@@ -283,6 +283,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert run["steps"] >= 1 and run["groups_trained"] >= 2  # the controller's sessions reached the gateway
         assert 0 <= run["groups_replayed"] < run["groups_submitted"] and run["groups_submitted"] >= 2
         assert 0 <= run["staleness_mean"] <= run["staleness_max"]
+        assert run["service_restarts"] == {}, run["service_restarts"]  # no service died and came back meanwhile
         assert sum(v["tasks"] for v in run["by_kind"]["kinds"].values()) == 6  # the same tasks, by kind
     assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
     assert "[seed 6]   by kind of task:" in out.stderr
