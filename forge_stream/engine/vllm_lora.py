@@ -14,8 +14,9 @@ new adapter's name and labelled with its version, whatever model name the agent 
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
 already running keep their adapter; a batch holds up to MAX_LORAS adapters, forge_stream.engine.vllm_state). Its
 held folder is kept until the last request sent under it has ended (EngineState.retire), as vLLM reads it again for
-such a request whenever the adapter is not among those it holds. An adapter that cannot be read or proven is unloaded again and never announced (the failure is raised for forge_stream.engine.follower to
-log): the last proven version stays served. A version whose adapter is the served one byte for byte (a trainer step
+such a request whenever the adapter is not among those it holds. An adapter that cannot be read or proven is
+unloaded again and never announced (the failure is raised for forge_stream.engine.follower to log): the last proven
+version stays served. A version whose adapter is the served one byte for byte (a trainer step
 that changed no weight) is announced on the served adapter.
 """
 

@@ -54,7 +54,8 @@ def test_agents_sdk_tool_agent_is_recorded(kafka_bootstrap, gateway_url, run_id,
     assert output == REPLY and asked == ["paris"]
 
     sid = session["session_id"]
-    records = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid),  # prompts whole
+    records = sorted(read_completions(kafka_bootstrap, since_this_test(),
+                                      keep=lambda r: r["session_id"] == sid),  # prompts whole
                      key=lambda r: r["turn"])
     assert [r["turn"] for r in records] == [0, 1]
     call, answer = records

@@ -28,7 +28,8 @@ def _client(session, api_key: str = "unused") -> anthropic.Anthropic:
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(),
+                                   keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

@@ -55,7 +55,8 @@ def _client(session) -> OpenAI:
 
 
 def _records(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(),
+                                   keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

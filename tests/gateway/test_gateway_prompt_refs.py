@@ -120,7 +120,8 @@ def test_prompt_refs_can_be_turned_off_and_shrink_a_session(kafka_bootstrap, mak
         assert any(r["prompt_ref"] for r in records) == refs
         sizes[refs] = sum(len(encode("Completion", r)) for r in records)
         prompts[refs] = [(r["turn"], r["choice_index"], r["prompt_token_ids"], r["messages_json"]) for r in
-                         sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid),
+                         sorted(read_completions(kafka_bootstrap, since_this_test(),
+                                                 keep=lambda r: r["session_id"] == sid),
                                 key=lambda r: (r["turn"], r["choice_index"]))]
     assert prompts[True] == prompts[False]
     assert sizes[True] < 0.75 * sizes[False], sizes

@@ -12,7 +12,8 @@ from helpers import read_events, since_this_test
 
 
 def _completions(bootstrap, session_id):
-    return sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id),  # prompts whole
+    return sorted(read_completions(bootstrap, since_this_test(),
+                                   keep=lambda r: r["session_id"] == session_id),  # prompts whole
                   key=lambda r: (r["turn"], r["choice_index"]))
 
 

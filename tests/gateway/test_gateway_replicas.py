@@ -76,7 +76,8 @@ class CountingAgent:
                           key=lambda r: r["turn"])
         assert [r["turn"] for r in recorded] == list(range(len(self.sent)))
         assert [r["prompt_ref"] for r in recorded] == [None] + [r["completion_id"] for r in recorded[:-1]]
-        rebuilt = sorted(read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == sid), key=lambda r: r["turn"])
+        rebuilt = sorted(read_completions(bootstrap, since_this_test(),
+                                          keep=lambda r: r["session_id"] == sid), key=lambda r: r["turn"])
         assert [(r["messages_json"], r["prompt_token_ids"]) for r in rebuilt] == self.sent
 
 
@@ -558,7 +559,8 @@ def test_a_responses_chain_goes_on_across_replicas(kafka_bootstrap, make_gateway
         with pytest.raises(openai.BadRequestError) as refused:
             on_b.responses.create(model="scripted", previous_response_id=unstored.id, input="more")
         assert refused.value.code == "previous_response_not_found"
-    records = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session["session_id"]),
+    records = sorted(read_completions(kafka_bootstrap, since_this_test(),
+                                      keep=lambda r: r["session_id"] == session["session_id"]),
                      key=lambda r: r["turn"])
     calls = orjson.loads(records[0]["tool_calls_json"])
     chained = [{"role": "user", "content": "Weather in Paris?"},

@@ -54,7 +54,8 @@ def test_gateway_records_why_a_tool_call_did_not_parse(kafka_bootstrap, scripted
         for body in bodies:
             response = httpx.post(url, json={"model": "scripted", "messages": messages, **body})
             assert response.status_code == 200, response.text
-    records = sorted(read_completions(kafka_bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session["session_id"]),
+    records = sorted(read_completions(kafka_bootstrap, since_this_test(),
+                                      keep=lambda r: r["session_id"] == session["session_id"]),
                      key=lambda r: r["turn"])
     assert [r["tool_call_error"] for r in records] == [INVALID_REASON, UNTERMINATED_REASON, None, None]
     assert [r["output_text"] for r in records] == [BAD_JSON, UNTERMINATED, "", "<tool_call>{oops"]

@@ -58,7 +58,8 @@ def test_tools_and_tool_errors():
 
 
 def completions(bootstrap, session_id):
-    found = read_completions(bootstrap, since_this_test(), keep=lambda r: r["session_id"] == session_id)  # prompts whole
+    found = read_completions(bootstrap, since_this_test(),
+                             keep=lambda r: r["session_id"] == session_id)  # prompts whole
     return sorted(found, key=lambda r: r["turn"])
 
 
