@@ -41,6 +41,7 @@ from forge_stream import credentials
 from forge_stream.credentials import ENGINE_ENV, GATEWAY_ENV, Credentials
 from forge_stream.kafka.admin import check_topics, create_topics
 from forge_stream.kafka.broker import BrokerConfig, LocalBroker
+from forge_stream.kvtier import TierSettings, server_argv
 from forge_stream.services import ServiceSpec, Supervisor
 from forge_stream.settings import ForgeSettings
 from forge_stream.shipped import command_line, file_argument
@@ -65,6 +66,24 @@ class Topology:
         if "engine" not in self.services:
             raise ValueError(f"topology {self.name} runs no engine")
         return replace(self, options={**self.options, "engine": {**self.options["engine"], "kind": kind}})
+
+    def with_engines(self, count: int) -> "Topology":
+        """This topology with `count` engine replicas (`up --engines`), each on the port after the previous one's;
+        the gateway routes each group to one of them (forge_stream.gateway.engines)."""
+        if count < 1:
+            raise ValueError(f"--engines must be at least 1, not {count}")
+        if "engine" not in self.services:
+            raise ValueError(f"topology {self.name} runs no engine")
+        return replace(self, options={**self.options, "engine": {**self.options["engine"], "replicas": count}})
+
+    def with_kv_tier(self, kind: str) -> "Topology":
+        """This topology with the shared KV tier (`up --kv-tier lmcache`), started before the engines."""
+        TierSettings.from_options({"kind": kind})  # a known kind
+        if "kv_tier" in self.services:
+            return replace(self, options={**self.options, "kv_tier": {**self.options["kv_tier"], "kind": kind}})
+        at = self.services.index("engine") if "engine" in self.services else len(self.services)
+        return replace(self, services=[*self.services[:at], "kv_tier", *self.services[at:]],
+                       options={**self.options, "kv_tier": {"kind": kind}})
 
     def settings_for(self, settings: ForgeSettings) -> ForgeSettings:
         """The settings with the topology's replication and its external cluster, unless --bootstrap-servers named
@@ -138,10 +157,38 @@ def plan(settings: ForgeSettings, topology: Topology, host: str | None = None,
                     raise ValueError(f"load_balancer: the gateway listens on port {gateway_port} on its host too: "
                                      "give the load balancer another `port:`")
                 opts = {"backends": [f"{h or '127.0.0.1'}:{gateway_port}" for h in gateway_hosts], **opts}
-            spec = BUILDERS[name](settings, opts)
-            env = {**replication_env(settings.replication), **credentials_env(name, creds), **spec.env}
-            out.append(Placement(where, replace(spec, env=env)))
+            if name == "gateway" and "engines" not in opts:  # every engine replica of this topology
+                opts = {**opts, "engines": engine_urls(settings, topology)}
+            if name == "engine":
+                specs = engine_replicas(settings, topology, opts)
+            else:
+                specs = [BUILDERS[name](settings, opts)]
+            for spec in specs:
+                env = {**replication_env(settings.replication), **credentials_env(name, creds), **spec.env}
+                out.append(Placement(where, replace(spec, env=env)))
     return out
+
+
+def engine_urls(settings: ForgeSettings, topology: Topology) -> list[str]:
+    """The engines a gateway on this machine calls: each replica of the topology's engine (one by default)."""
+    opts = topology.options.get("engine", {})
+    first = int(opts.get("port", settings.engine_port))
+    return [f"http://127.0.0.1:{first + i}" for i in range(int(opts.get("replicas", 1)))]
+
+
+def engine_replicas(settings: ForgeSettings, topology: Topology, opts: dict) -> list[ServiceSpec]:
+    """The engine's services: `engine`, then `engine-1`, `engine-2`... for `replicas:`, each on the next port;
+    with a KV tier in the topology, every one attached to it (vLLM engines only: the tier holds vLLM's KV)."""
+    if "kv_tier" in topology.services:
+        if opts.get("kind", "torch") != "vllm":
+            raise ValueError("the KV tier serves vLLM engines: run the engine as `kind: vllm` (`up --engine vllm`)")
+        opts = {**opts, "kv_tier": tier_settings(settings, topology.options["kv_tier"]).url}
+    first = int(opts.get("port", settings.engine_port))
+    specs = []
+    for i in range(int(opts.get("replicas", 1))):
+        spec = engine_service(settings, {**opts, "port": first + i})
+        specs.append(spec if i == 0 else replace(spec, name=f"engine-{i}"))
+    return specs
 
 
 def credentials_env(service: str, creds: Credentials | None) -> dict[str, str]:
@@ -191,7 +238,23 @@ def _threads(opts: dict) -> dict[str, str]:
 
 ENGINE_KINDS = ("torch", "vllm")
 VLLM_OPTIONS = ("served_model_name", "max_model_len", "dtype", "kv_cache_gib", "tool_call_parser", "policy_run",
-                "load_interval", "mq_poll", "block_size", "lora_rank")
+                "load_interval", "mq_poll", "block_size", "lora_rank", "kv_tier")
+
+
+def tier_settings(settings: ForgeSettings, opts: dict) -> TierSettings:
+    """The topology's `kv_tier:` keys over the deployment's ports (FORGE_KV_TIER_PORT, FORGE_KV_TIER_HTTP_PORT)."""
+    return TierSettings.from_options({"port": settings.kv_tier_port, "http_port": settings.kv_tier_http_port,
+                                      **opts})
+
+
+def kv_tier_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
+    """The shared KV tier: LMCache's multiprocess server, run from the vLLM runtime (`up` installs it first)."""
+    from forge_stream.engine.vllm_runtime import runtime
+
+    tier = tier_settings(settings, opts)
+    return ServiceSpec("kv_tier", server_argv(runtime(settings.cache_dir).python, tier),
+                       health_url=f"{tier.http_url}/healthcheck", url=f"tcp://{tier.url}",
+                       env={"LMCACHE_DISABLE_BANNER": "1"}, start_timeout_s=float(opts.get("start_timeout_s", 180)))
 
 
 def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
@@ -299,6 +362,7 @@ def controller_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
 
 BUILDERS: dict[str, Callable[[ForgeSettings, dict], ServiceSpec]] = {
     "registry": registry_service,
+    "kv_tier": kv_tier_service,
     "engine": engine_service,
     "gateway": gateway_service,
     "load_balancer": load_balancer_service,
@@ -407,7 +471,7 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     names = [p.spec.name for p in placements]
     if "engine" in names and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)
-    if "engine" in names and topology.options["engine"].get("kind") == "vllm":
+    if "kv_tier" in names or "engine" in names and topology.options["engine"].get("kind") == "vllm":
         from forge_stream.engine.vllm_runtime import ensure_runtime
 
         ensure_runtime(settings.cache_dir, echo=echo)

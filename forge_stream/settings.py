@@ -31,7 +31,9 @@ class ForgeSettings(BaseSettings):
     min_insync_replicas: int = 1  # acks=all waits for this many replicas (the topics' min.insync.replicas)
     registry_port: int = 8081
     gateway_port: int = 8000
-    engine_port: int = 8100
+    engine_port: int = 8100  # the first engine's; a topology's further engine replicas take the ports after it
+    kv_tier_port: int = 6555  # the shared KV tier's LMCache server (engines attach here)
+    kv_tier_http_port: int = 6580  # and its admin API (health, L1 use, lookups and hits), loopback only
 
     @property
     def broker_dir(self) -> Path:

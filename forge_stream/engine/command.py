@@ -126,6 +126,9 @@ def vllm(
     lora_rank: int = typer.Option(0, min=0, help="Serve LoRA adapter versions of up to this rank (a run trained with "
                                                  "`train --lora-rank`): vLLM starts with LoRA on and loads each "
                                                  "adapter at run time, without a drain or a load interval."),
+    kv_tier: str = typer.Option(None, help="HOST:PORT of the shared KV tier's LMCache server (`up --kv-tier "
+                                           "lmcache` starts one): vLLM stores and reads prompt KV there, salted by "
+                                           "policy version; a lost tier is recomputed, never failed."),
     vllm_arg: list[str] = typer.Option([], help="One more argument for vLLM's server (repeatable), e.g. "
                                                 "--vllm-arg=--kv-transfer-config --vllm-arg='{...}'."),
     bootstrap_servers: str = BootstrapOption,
@@ -144,6 +147,7 @@ def vllm(
     from forge_stream.engine.vllm_engine import create_app
     from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
     from forge_stream.engine.vllm_state import VllmEngineSettings
+    from forge_stream.kvtier import connector_config
     from forge_stream.settings import ForgeSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,6 +157,8 @@ def vllm(
         refuse_open_bind("The engine", host, token, ENGINE_ENV)
         if probe:
             tolerance(dtype)  # the probe compares log-probs within the dtype's tolerance: one it has
+        if kv_tier:
+            connector_config(kv_tier, "cpu")  # HOST:PORT
     except ValueError as exc:
         raise user_error(str(exc)) from None
     if bootstrap_servers:
@@ -169,5 +175,6 @@ def vllm(
         max_num_seqs=max_batch_size, kv_cache_gib=kv_cache_gib, block_size=block_size,
         tool_call_parser=tool_call_parser, probe=probe, load_interval_s=load_interval, mq_poll_s=mq_poll,
         extra_args=tuple(vllm_arg), bootstrap=bootstrap_servers, policy_run=policy_run, token=token or None,
-        lora_rank=lora_rank, checkpoint_dir=checkpoint_dir or str(ForgeSettings().checkpoint_dir))
+        lora_rank=lora_rank, checkpoint_dir=checkpoint_dir or str(ForgeSettings().checkpoint_dir),
+        kv_tier=kv_tier or None)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

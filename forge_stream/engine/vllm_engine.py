@@ -102,6 +102,9 @@ async def _relay(request: Request, path: str) -> Response:
         return _error(400, "The body must be a JSON object.", "BadRequestError")
     version = await state.gate.enter()
     model = body["model"] = state.model_for(version)
+    body["cache_salt"] = state.salt_for(version, model)  # KV of this version only, here and in the shared tier
+    if state.settings.kv_tier:
+        body["kv_transfer_params"] = {"cached_token_stats": True}  # the connector says what the tier gave
 
     def leave() -> None:
         state.release(model)
@@ -143,8 +146,36 @@ async def _relay(request: Request, path: str) -> Response:
         upstream.release()
         leave()
     if upstream.status == 200 and content.startswith(b"{"):
-        content = tag + content[1:]
+        content = tag + prompt_cache(content, bool(state.settings.kv_tier)) + content[1:]
     return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+def prompt_cache(content: bytes, tiered: bool) -> bytes:
+    """`"prompt_cache":{...},` for an answer of vLLM's: of its prompt tokens, how many vLLM found in its own prefix
+    cache (`engine`) and how many the shared tier gave (`tier`: 0 without a tier); null where vLLM did not say.
+    Empty when the answer has no usage.
+
+    >>> prompt_cache(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":6}}}', False)
+    b'"prompt_cache":{"prompt_tokens":9,"engine":6,"tier":0},'
+    >>> prompt_cache(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":6}},'
+    ...              b'"kv_transfer_params":{"cached_token_stats":{"num_vllm_cached_tokens":2,'
+    ...              b'"num_lmcache_extra_cached_tokens":4}}}', True)
+    b'"prompt_cache":{"prompt_tokens":9,"engine":2,"tier":4},'
+    """
+    data = orjson.loads(content)
+    usage = data.get("usage") or {}
+    if not usage.get("prompt_tokens"):
+        return b""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    stats = (data.get("kv_transfer_params") or {}).get("cached_token_stats")
+    if not tiered:
+        engine, tier = cached, 0
+    elif stats:
+        engine, tier = stats.get("num_vllm_cached_tokens"), stats.get("num_lmcache_extra_cached_tokens")
+    else:
+        engine, tier = None, None
+    return b'"prompt_cache":' + orjson.dumps({"prompt_tokens": usage["prompt_tokens"], "engine": engine,
+                                              "tier": tier}) + b","
 
 
 def create_app(settings: VllmEngineSettings) -> FastAPI:
@@ -209,7 +240,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
         return {"status": "ok", "model": settings.name, "policy_version": state.gate.version,
                 "checkpoint": state.checkpoint, "engine": "vllm", "in_flight": state.gate.in_flight,
                 **state.follower.health(), "probe_mismatch": state.last_mismatch, "mq_poll_s": state.mq_poll_s,
-                "lora_adapter": state.adapters.get(state.gate.version)}
+                "lora_adapter": state.adapters.get(state.gate.version), "kv_tier": settings.kv_tier}
 
     if settings.token:
         app.add_middleware(RequireBearer, token=settings.token)
@@ -251,9 +282,10 @@ async def _bring_up(state: EngineState, proc: subprocess.Popen) -> None:
         with contextlib.suppress(WorkerError, httpx.HTTPError):  # reported on /health; serving goes on without it
             state.mq_poll_s = await state.control.mq_poll()
         state.ready = True
-        log.info("engine ready (pid %d) on %s:%d: vLLM %s (started in %.0fs) serving %s at policy version %d; %s",
+        log.info("engine ready (pid %d) on %s:%d: vLLM %s (started in %.0fs) serving %s at policy version %d%s; %s",
                  os.getpid(), settings.host, settings.port, settings.runtime.target, time.monotonic() - started,
                  settings.model, state.gate.version,
+                 f", prompt KV shared through the tier at {settings.kv_tier}" if settings.kv_tier else "",
                  f"loads each new version of run {settings.policy_run!r} from {TOPICS.policy.name} at "
                  f"{settings.bootstrap}" if settings.bootstrap else "follows no policy topic")
         follower = None

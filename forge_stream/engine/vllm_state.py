@@ -23,6 +23,7 @@ from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.follower import FollowerStatus
 from forge_stream.engine.vllm_runtime import VllmRuntime
 from forge_stream.engine.vllm_sync import VllmControl
+from forge_stream.kvtier import cache_salt, connector_args
 
 if TYPE_CHECKING:
     from forge_stream.lora import ResidentBase
@@ -81,6 +82,7 @@ class VllmEngineSettings:
     token: str | None = None  # with it, every route but /health needs it as a bearer token
     lora_rank: int = 0  # > 0: LoRA on, for adapters of up to this rank (a run trained with `train --lora-rank`)
     checkpoint_dir: str | None = None  # the checkpoint store: forge.policy records load only from inside it
+    kv_tier: str | None = None  # HOST:PORT of the shared KV tier's LMCache server (forge_stream.kvtier), if any
 
     def __post_init__(self):
         refuse_open_bind("The engine", self.host, self.token, ENGINE_ENV)
@@ -91,7 +93,9 @@ class VllmEngineSettings:
 
     @property
     def kv_connector(self) -> bool:
-        """Whether vLLM runs with a KV connector (LMCache): a reload then resets its cache too."""
+        """Whether vLLM runs with a KV connector of the caller's own (`--vllm-arg`): a reload then resets that
+        connector's cache too, since its keys carry no policy version. The shared tier (`kv_tier`) needs no reset:
+        its keys are salted by version (forge_stream.kvtier.cache_salt), and other engines still serve from it."""
         return any("kv-transfer-config" in a or "kv_transfer_config" in a for a in self.extra_args)
 
     def vllm_argv(self, socket: Path) -> list[str]:
@@ -101,7 +105,8 @@ class VllmEngineSettings:
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--max-num-seqs", str(self.max_num_seqs), "--logprobs-mode", "processed_logprobs",
                 "--enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-                "--worker-extension-cls", "forge_worker.ForgeWorkerExtension"]
+                "--worker-extension-cls", "forge_worker.ForgeWorkerExtension",
+                "--enable-prompt-tokens-details"]  # each answer's cached prompt tokens, recorded per completion
         block_size = self.block_size or (CPU_BLOCK_SIZE if self.runtime.target == "cpu" else None)
         if block_size:
             argv += ["--block-size", str(block_size)]
@@ -112,6 +117,8 @@ class VllmEngineSettings:
             # waiting requests, which all keep vLLM's default priority and so its first-come order
             argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
                      "--max-loras", str(MAX_LORAS), "--scheduling-policy", "priority"]
+        if self.kv_tier:
+            argv += connector_args(self.kv_tier, self.runtime.target)
         return argv + list(self.extra_args)
 
 
@@ -170,6 +177,10 @@ class EngineState:
     resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
     vllm_url: str = VLLM_URL
+
+    def salt_for(self, version: int, model: str) -> str:
+        """The cache salt of a request that entered the gate under `version` and goes to vLLM as `model`."""
+        return cache_salt(self.settings.policy_run, version, model if model != self.settings.name else None)
 
     def model_for(self, version: int) -> str:
         """The model name a request that entered the gate under `version` is sent to vLLM with: the version's

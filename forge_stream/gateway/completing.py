@@ -354,8 +354,10 @@ class CompletionPath:
         data = engine_json(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
         try:
+            one_prompt = all(c.prompt_index == 0 for c in choices)  # usage counts a batch's prompts together
             await self._record(session, ctx, choices, engine, data.get("model") or body.get("model") or "",
-                               data.get("policy_version"), None, done, spans)
+                               data.get("policy_version"), None, done, spans,
+                               data.get("prompt_cache") if one_prompt else None)
         except BaseException:
             session.restore(taken)
             raise
@@ -386,7 +388,7 @@ class CompletionPath:
 
     async def _record(self, session: Session, ctx: RequestContext, choices: list[ChoiceRecord], engine: Engine,
                       model: str, policy_version: int | None, first_token_ms: int | None, done: int,
-                      spans: list[dict]) -> None:
+                      spans: list[dict], prompt_cache: dict | None = None) -> None:
         version = self.settings.default_policy_version if policy_version is None else policy_version
         group = ctx.group_id
         # one turn at a time, numbered from what is recorded: a failed write gives its turn number back
@@ -395,7 +397,7 @@ class CompletionPath:
             by_ref = self.settings.prompt_refs and ctx.kind == "chat"
             records = [completion_record(ctx, c, turn=turn, model=model, engine_id=engine.url,
                                          policy_version=version, first_token_ms=first_token_ms, done_ms=done,
-                                         prompt_ids=not by_ref)
+                                         prompt_ids=not by_ref, prompt_cache=prompt_cache)
                        for c in choices]
             sent = [by_reference(r, ctx.message_parts, session.lanes.values(), ctx.message_digests, c.prompt)
                     if by_ref and c.prompt is not None else r

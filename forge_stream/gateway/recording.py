@@ -319,12 +319,30 @@ def prompt_json(ctx: RequestContext, choice: ChoiceRecord) -> str:
     return ctx.messages_json
 
 
+def prompt_sources(prompt_cache: dict | None) -> tuple[int | None, int | None, int | None]:
+    """(computed, from the engine's prefix cache, from the shared KV tier) of an answer's prompt tokens, as the
+    vLLM engine's `prompt_cache` says (forge_stream.engine.vllm_engine.prompt_cache); None where it did not say.
+
+    >>> prompt_sources({"prompt_tokens": 300, "engine": 32, "tier": 256}), prompt_sources(None)
+    ((12, 32, 256), (None, None, None))
+    >>> prompt_sources({"prompt_tokens": 300, "engine": 32, "tier": None})
+    (None, 32, None)
+    """
+    if not prompt_cache:
+        return None, None, None
+    engine, tier = prompt_cache.get("engine"), prompt_cache.get("tier")
+    known = engine is not None and tier is not None
+    return (prompt_cache["prompt_tokens"] - engine - tier if known else None), engine, tier
+
+
 def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, model: str, engine_id: str,
                       policy_version: int, first_token_ms: int | None, done_ms: int,
-                      prompt_ids: bool = True) -> dict:
+                      prompt_ids: bool = True, prompt_cache: dict | None = None) -> dict:
     """The Completion event of one choice; with `prompt_ids` False its prompt_token_ids are left empty, for the
-    caller to record (by reference, without parsing a long prompt whole)."""
+    caller to record (by reference, without parsing a long prompt whole). `prompt_cache`: where the engine found
+    the prompt's KV (prompt_sources)."""
     trainable, reason = choice.trainability()
+    computed, engine_cache, tier = prompt_sources(prompt_cache)
     completion_id = deterministic_id("completion", ctx.session_id, ctx.request_id, choice.index)
     return {
         "event_id": completion_id,
@@ -361,4 +379,7 @@ def completion_record(ctx: RequestContext, choice: ChoiceRecord, *, turn: int, m
         "prompt_ref_tokens": 0,
         "prompt_ref_messages": 0,
         "request_digest": ctx.request_digest,
+        "prompt_tokens_computed": computed,
+        "prompt_tokens_engine_cache": engine_cache,
+        "prompt_tokens_tier": tier,
     }
