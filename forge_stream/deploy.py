@@ -286,7 +286,8 @@ def engine_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     )
 
 
-GATEWAY_OPTIONS = ("public_url", "workers", "shared_sessions", "max_in_flight", "max_waiting", "max_open_sessions")
+GATEWAY_OPTIONS = ("public_url", "workers", "shared_sessions", "max_in_flight", "max_waiting", "max_open_sessions",
+                   "max_queue")
 
 
 def gateway_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
@@ -476,13 +477,26 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
 
         ensure_runtime(settings.cache_dir, echo=echo)
     started = {}
-    for placement in placements:
-        name = placement.spec.name
-        echo(f"{name} already runs (pid {running[name]})." if name in running else f"Starting {name}...")
-        started[name] = supervisor.start(placement.spec)
+    for batch in _start_batches([p.spec for p in placements]):
+        for spec in batch:
+            echo(f"{spec.name} already runs (pid {running[spec.name]})." if spec.name in running
+                 else f"Starting {spec.name}...")
+        started.update(supervisor.start_together(batch))
     return {"bootstrap_servers": settings.bootstrap, "embedded_broker": settings.embedded,
             "topics": topics, "supervisor": supervisor.daemon_pid(),
             "services": {n: {"pid": e["pid"], "url": e["url"], "log": e["log"]} for n, e in started.items()}}
+
+
+def _start_batches(specs: list[ServiceSpec]) -> list[list[ServiceSpec]]:
+    """The services in start order, an engine's replicas in one batch (started together: each vLLM start takes
+    minutes), every other service alone."""
+    batches: list[list[ServiceSpec]] = []
+    for spec in specs:
+        if spec.name.startswith("engine-") and batches and batches[-1][0].name == "engine":
+            batches[-1].append(spec)
+        else:
+            batches.append([spec])
+    return batches
 
 
 BROKER = "broker"  # the embedded broker's name among the supervisor's services

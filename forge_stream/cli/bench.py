@@ -205,6 +205,28 @@ def prefix_tree(
     emit(bench.run(quick=quick, threads=threads, model_dir=str(_model(model)) if model else None), as_json)
 
 
+@app.command("kv-tier")
+def kv_tier(
+    model: str = typer.Option("smollm2-135m", help="A model directory, or a known model (imported on first use)."),
+    sizes: str = typer.Option("1024,2048,4096,7168", help="Context sizes in tokens, comma-separated."),
+    rounds: int = typer.Option(3, min=1, help="Sessions per size (medians reported, each round's kept)."),
+    log_dir: Optional[Path] = typer.Option(None, help="Where the tier's and engines' logs go (default: a temporary "
+                                                      "folder, named in the result)."),
+    as_json: bool = JsonOption,
+) -> None:
+    """The shared KV tier (LMCache) between vLLM engines: time to first token of a turn that reads its prefix from
+    the tier against one that recomputes it, per context size; stale hits across policy versions; calls failed
+    when the tier is killed mid-run."""
+    from forge_stream.bench.kv_tier import run
+
+    try:
+        parsed = tuple(int(s) for s in sizes.split(","))
+    except ValueError:
+        raise user_error(f"--sizes takes comma-separated token counts, not {sizes!r}") from None
+    emit(run(str(_model(model)), parsed, rounds=rounds, log_dir=log_dir,
+             progress=lambda line: typer.echo(line, err=True)), as_json)
+
+
 @app.command("processors")
 def processors(
     bootstrap_servers: Optional[str] = typer.Option(None, "--bootstrap-servers", "-b",

@@ -31,10 +31,18 @@ class EngineProcess:
         return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout: float | None = None) -> "EngineProcess":
-        timeout = timeout or (120.0 if self.kind == "serve" else 1200.0)
+        return self.spawn().wait(timeout)
+
+    def spawn(self) -> "EngineProcess":
+        """Start the process without waiting for it (`wait` does): several engines' start-ups then overlap."""
         self._proc = proc.start_process([sys.executable, "-m", "forge_stream.engine", self.kind, "--model", self.model,
-                                 "--port", str(self.port), *self.extra_args],
-                                self.log_path or subprocess.DEVNULL)
+                                         "--port", str(self.port), *self.extra_args],
+                                        self.log_path or subprocess.DEVNULL)
+        return self
+
+    def wait(self, timeout: float | None = None) -> "EngineProcess":
+        """Return once the engine answers /health (stopped, and the error raised, if it does not)."""
+        timeout = timeout or (120.0 if self.kind == "serve" else 1200.0)
         try:
             proc.wait_healthy(f"the engine on port {self.port}", self._proc, url=f"{self.url}/health",
                               log=self.log_path, timeout=timeout)

@@ -190,21 +190,28 @@ class CompletionPath:
 
     async def _send(self, group_id: str, method: str, path: str,
                     payload: bytes | None) -> tuple[aiohttp.ClientResponse, Engine]:
-        """Send to the group's engine (another one if it refuses connections); the engine's in-flight count is
-        raised, and the caller lowers it (and releases the response) when the response is done."""
+        """Send to the group's engine (another one if it refuses connections or answers 503: down, or starting
+        again after a restart, it ran nothing of the request); the engine's in-flight count is raised, and the caller
+        lowers it (and releases the response) when the response is done. The last engine's 503 is the answer."""
         failures = []
-        for engine in self.pool.order(group_id):
+        engines = self.pool.order(group_id)
+        for i, engine in enumerate(engines):
             engine.in_flight += 1
             try:
                 response = await self.http.request(method, engine.url + path, data=payload,
                                                    headers=_JSON if payload is not None else None)
-                return response, engine
             except aiohttp.ClientConnectorError as exc:
                 engine.in_flight -= 1
                 failures.append(f"{engine.url}: {exc}")
+                continue
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 engine.in_flight -= 1
                 raise self.engine_failed(engine, exc) from exc
+            if response.status != 503 or i == len(engines) - 1:
+                return response, engine
+            response.release()
+            engine.in_flight -= 1
+            failures.append(f"{engine.url}: HTTP 503")
         log.warning("no engine is reachable: %s", "; ".join(failures))
         raise self.unavailable("No engine is reachable; retry shortly.")
 

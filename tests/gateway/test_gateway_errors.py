@@ -73,6 +73,35 @@ def test_engine_down_is_503_with_retry_after(make_gateway, run_id):
         assert view["turns"] == 0 and view["completions"] == 0
 
 
+def _starting_engine():
+    """An engine that is up but not serving yet, as a restarted vLLM engine answers while vLLM starts: 503."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def starting(request):
+        return JSONResponse({"status": "starting"}, status_code=503)
+
+    return Starlette(routes=[Route("/{path:path}", starting, methods=["GET", "POST"])])
+
+
+def test_a_group_whose_engine_answers_503_is_served_by_another(make_gateway, scripted_url, kafka_bootstrap, run_id):
+    from forge_stream.gateway.engines import preference
+
+    with serving(_starting_engine()) as starting:
+        engines = (starting, scripted_url)
+        group = next(g for g in (f"{run_id}-{i}" for i in range(100)) if preference(g, list(engines))[0] == 0)
+        with make_gateway(engines=engines) as gateway:
+            session = open_session(gateway, group)
+            response = httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30)
+            assert response.status_code == 200, response.text
+        [record] = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["group_id"] == group)
+        assert record["engine_id"] == scripted_url
+    with serving(_starting_engine()) as starting, make_gateway(engines=(starting,)) as gateway:
+        session = open_session(gateway, run_id)  # no other engine: its 503 is the answer
+        _error(httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30), 503)
+
+
 def test_kafka_unreachable_at_session_start_is_503(make_gateway, scripted_url, run_id):
     with make_gateway(engines=(scripted_url,), bootstrap=f"127.0.0.1:{free_port()}", ack_timeout_ms=1500) as gw:
         response = httpx.post(f"{gw}/v1/sessions", json={"group_id": run_id, "task_id": "t"})
