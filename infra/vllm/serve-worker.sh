@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One vLLM rollout engine of forge-stream on a GPU host, with LMCache as the shared KV tier.
-#   LMCACHE_HOST=... MODEL=/shared/models/base CHECKPOINTS=/shared/forge/checkpoints KAFKA=k0:9092 RUN=main \
+#   KV_TIER=127.0.0.1:6555 MODEL=/shared/models/base CHECKPOINTS=/shared/forge/checkpoints KAFKA=k0:9092 RUN=main \
 #     PORT=8100 infra/vllm/serve-worker.sh
-# On the LMCache host, once:   lmcache_server 0.0.0.0 65432   (from the vLLM runtime: forge-stream engine install-vllm)
-# Then point the gateway at each engine (--engine http://host:8100). `forge-stream up cluster --host gpu-N` runs the
-# same command from topologies/cluster.yaml.
+# The tier is an LMCache server on the same host (KV handed over by CUDA IPC), started before the engine; with
+# `forge-stream up cluster --host gpu-N` both come from topologies/cluster.yaml (its `kv_tier:` service: the
+# server's command line, with a second level on a Redis-protocol store that every host's server shares).
+# Then point the gateway at each engine (--engine http://host:8100).
 #
 # It listens on 127.0.0.1 unless BIND says otherwise; beyond loopback (BIND=0.0.0.0, for gateways on other hosts) the
 # engine refuses to start without FORGE_ENGINE_TOKEN, which it then requires on every route but /health (give the
@@ -15,22 +16,17 @@
 # vLLM on a Unix socket of its own (its dev control routes, which reload weights, are the engine process's alone),
 # and serves the engine protocol on PORT: every answer carries the policy version that produced it. It follows
 # forge.policy for RUN and loads each new checkpoint inside CHECKPOINTS, the trainer's store (readable at the same
-# path here: shared FS), proving it (weight checksums, probe log-probs) before it is announced; the LMCache tier is
-# reset on each load.
+# path here: shared FS), proving it (weight checksums, probe log-probs) before it is announced. Every request is
+# salted by run and policy version (vLLM's cache_salt, which LMCache's keys carry): no version reads another's KV.
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${MODEL:?set MODEL to a HuggingFace directory}"
 KAFKA="${KAFKA:?set KAFKA to the bootstrap servers}"
 CHECKPOINTS="${CHECKPOINTS:?set CHECKPOINTS to the checkpoint store the trainer writes (a shared folder)}"
 PORT="${PORT:-8100}"
 RUN="${RUN:-default}"
-LMCACHE_HOST="${LMCACHE_HOST:-127.0.0.1}"
+KV_TIER="${KV_TIER:-127.0.0.1:6555}"
 BIND="${BIND:-127.0.0.1}"
-config="$(mktemp --suffix=.yaml)"
-sed "s#lm://lmcache-host:#lm://${LMCACHE_HOST}:#" "$here/lmcache.yaml" > "$config"
-export LMCACHE_CONFIG_FILE="$config"
 exec forge-stream engine vllm --model "$MODEL" --host "$BIND" --port "$PORT" --dtype bfloat16 \
   --bootstrap-servers "$KAFKA" --policy-run "$RUN" --checkpoint-dir "$CHECKPOINTS" \
-  --vllm-arg=--gpu-memory-utilization=0.85 \
-  '--vllm-arg=--kv-transfer-config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}' \
+  --kv-tier "$KV_TIER" --vllm-arg=--gpu-memory-utilization=0.85 \
   "$@"

@@ -38,7 +38,7 @@ def test_every_flag_a_topology_passes_is_taken_by_its_command(name):
     assert {p.spec.name for p in placements} == set(topology.services)
     for placement in placements:
         argv = placement.spec.argv
-        if argv[2] == "uvicorn":
+        if argv[2] in ("uvicorn", "lmcache.cli.main"):  # LMCache's own flags: tests/test_kvtier.py
             continue
         command = _command(argv)
         flags = {opt for param in command.params for opt in param.opts}
@@ -57,14 +57,16 @@ def test_the_cluster_topology_places_each_service_on_its_hosts():
     by_host = {h: [p.spec for p in plan(local, topology, h)]
                for h in ("ctl-0", "lb-0", "gw-0", "gw-1", "gpu-0", "gpu-3", "proc-0", "proc-1", "train-0", "train-1")}
     assert [s.name for s in by_host["ctl-0"]] == ["registry", "controller"]
-    for host in ("gpu-0", "gpu-3"):  # real vLLM behind the engine protocol, following run main, LMCache on
-        (engine,) = by_host[host]
+    for host in ("gpu-0", "gpu-3"):  # real vLLM behind the engine protocol, following run main, on its host's tier
+        tier, engine = by_host[host]
         option = dict(zip(engine.argv, engine.argv[1:]))
         assert engine.argv[2:4] == ["forge_stream.engine", "vllm"] and engine.start_timeout_s >= 600
         assert option["--checkpoint-dir"] == "/shared/forge/checkpoints"  # the trainer's store, read from there
         assert (option["--host"], option["--policy-run"], option["--dtype"]) == ("0.0.0.0", "main", "bfloat16")
-        assert any(a.startswith("--vllm-arg=--kv-transfer-config=") and "LMCacheConnectorV1" in a
-                   for a in engine.argv)
+        assert option["--kv-tier"] == "127.0.0.1:6555"
+        assert tier.name == "kv_tier" and tier.argv[2:5] == ["lmcache.cli.main", "server", "--host"]
+        l2 = json.loads(tier.argv[tier.argv.index("--l2-adapter") + 1])
+        assert l2 == {"type": "resp", "host": "kv-store.internal", "port": 6379, "num_workers": 8}
     assert all([s.name for s in by_host[h]] == ["gateway"] for h in ("gw-0", "gw-1"))
     assert all([s.name for s in by_host[h]] == ["processors"] for h in ("proc-0", "proc-1"))
     for rank, host in enumerate(("train-0", "train-1")):
