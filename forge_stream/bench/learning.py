@@ -267,7 +267,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
              progress: Callable[[str], None] = print) -> dict:
     """One seed's evaluation of its warm start, RL and evaluation, on a topology of its own in `home`."""
     ports = {name: free_port() for name in ("kafka_port", "kafka_controller_port", "registry_port", "engine_port",
-                                             "gateway_port")}
+                                             "gateway_port", "kv_tier_port", "kv_tier_http_port")}
     cfg = ForgeSettings(home=home, bootstrap_servers=s.bootstrap, **ports)
     env = {**os.environ, "FORGE_HOME": str(home), **{f"FORGE_{k.upper()}": str(v) for k, v in ports.items()}}
     if s.bootstrap:
@@ -279,8 +279,11 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
     model = warm.get("model_dir") or str(home / "warm")
     try:
         progress(f"{tag} [1/5] starting the topology in {home}")
-        topology = Topology("bench-learning", ["engine", "gateway", "processors", "trainer"], {
+        services = ["kv_tier"] * bool(s.kv_tier) + ["engine", "gateway", "processors", "trainer"]
+        topology = Topology("bench-learning", services, {
+            "kv_tier": {"kind": s.kv_tier},
             "engine": {"kind": s.engine, "model": model, "max_batch_size": s.concurrency, "policy_run": run_id,
+                       "replicas": s.engines,
                        **({"threads": 1} if s.engine == "torch" else {}),
                        **({"lora_rank": s.lora_rank} if s.lora_rank and s.engine == "vllm" else {}),
                        **({"load_interval": s.engine_load_interval} if s.engine_load_interval else {})},
@@ -376,6 +379,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             progress(f"{tag}   services restarted by the supervisor during the run: {restarts} (their logs in "
                      f"{cfg.run_dir} say why)")
         return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
+                "engines": s.engines, "kv_tier": s.kv_tier, "prompt_sources": prompt_sources(answered),
                 "switch_s": switch, "service_restarts": restarts,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
@@ -391,6 +395,16 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             from forge_stream.deploy import local_broker
 
             local_broker(cfg).stop()
+
+
+def prompt_sources(completions) -> dict:
+    """Where the prompt tokens of the RL phase's completions came from: computed, the engine's own prefix cache,
+    the shared KV tier (summed over the completions that say; the tier's share of those prompt tokens)."""
+    known = [e.record for e in completions if e.record.get("prompt_tokens_computed") is not None]
+    totals = {key: sum(r[f"prompt_tokens_{key}"] for r in known) for key in ("computed", "engine_cache", "tier")}
+    whole = sum(totals.values())
+    return {**totals, "completions": len(known), "tier_share": round(totals["tier"] / whole, 4) if whole else None,
+            "cached_share": round((whole - totals["computed"]) / whole, 4) if whole else None}
 
 
 def service_restarts(cfg: ForgeSettings) -> dict[str, int]:

@@ -15,6 +15,8 @@ class LearningSettings:
     engine: str = "torch"  # "vllm": real vLLM (`engine vllm`), "torch": the local torch engine
     engine_load_interval: float = 0.0  # vLLM: seconds from one weight load to the next (engine vllm --load-interval)
     lora_rank: int = 0  # > 0: the trainer trains a LoRA adapter of this rank, the engine serves each as a version
+    engines: int = 1  # engine replicas behind the gateway (up --engines)
+    kv_tier: str | None = None  # "lmcache": the shared KV tier under the vLLM engines (up --kv-tier)
     loss: str = "cispo"
     lr: float = 1e-4
     updates_per_batch: int = 4  # optimizer updates per batch (sample reuse; the trainer is otherwise mostly idle)

@@ -258,6 +258,10 @@ def learning(
     lora_rank: int = typer.Option(0, min=0, help="Train a LoRA adapter of this rank (train --lora-rank) and serve each "
                                                  "adapter version (engine vllm --lora-rank; the torch engine merges "
                                                  "it); 0: full fine-tuning. LoRA wants about 10x the --lr."),
+    engines: int = typer.Option(1, min=1, help="Engine replicas behind the gateway (up --engines)."),
+    kv_tier: Optional[str] = typer.Option(None, help="lmcache: the shared KV tier under the vLLM engines (up "
+                                                     "--kv-tier); each seed reports where its prompts' KV came "
+                                                     "from."),
     loss: str = typer.Option("cispo", help="cispo or ppo."),
     lr: Optional[float] = typer.Option(None, help="Trainer learning rate (default: 1e-4; with --model, 1e-5: at "
                                                    "1e-4 one step moved SmolLM2-135M's log-probs by up to 14 nats; "
@@ -329,6 +333,9 @@ def learning(
     if engine_kind not in ("torch", "vllm"):
         typer.echo(f"--engine takes torch or vllm, not {engine_kind!r}", err=True)
         raise typer.Exit(2)
+    if kv_tier not in (None, "lmcache") or kv_tier and engine_kind != "vllm":
+        typer.echo("--kv-tier takes lmcache, with vLLM engines (--engine vllm or --model)", err=True)
+        raise typer.Exit(2)
     if eval_split not in ("test", "validation"):
         typer.echo(f"--eval-split takes test or validation, not {eval_split!r}", err=True)
         raise typer.Exit(2)
@@ -343,7 +350,7 @@ def learning(
         typer.echo(f"--hidden-size: {exc}", err=True)
         raise typer.Exit(2) from None
     settings = LearningSettings(rl_minutes=rl_minutes, engine=engine_kind, engine_load_interval=engine_load_interval,
-                                lora_rank=lora_rank, loss=loss, lr=lr,
+                                lora_rank=lora_rank, engines=engines, kv_tier=kv_tier, loss=loss, lr=lr,
                                 updates_per_batch=updates_per_batch, subgoal_reward=subgoal_reward,
                                 partial_credit=partial_credit,
                                 advantage_scale=advantage_scale, batch_size=batch_size, group_size=group_size,

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forge_stream import proc
+from forge_stream.engine.process import EngineProcess
 from forge_stream.kafka.broker import free_port
 from forge_stream.topics import TOPICS
 
@@ -38,6 +41,30 @@ CHUNK = 256  # the tier stores and finds a prompt in whole chunks of this many t
 PROMPT = 2 * CHUNK + 60  # two chunks stored, the rest computed
 
 
+def _redis(root: Path) -> tuple[subprocess.Popen, int] | None:
+    """A Redis server (Debian's redis-server) on a free port, the tier's second level; None where it is not
+    installed (CI installs it: there it is an error)."""
+    if shutil.which("redis-server") is None:
+        assert not os.environ.get("CI"), "CI installs redis-server (Debian's package) for the tier's second level"
+        return None
+    port = free_port()
+    server = proc.start_process(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(root)], root / "redis.log")
+    proc.wait_healthy("redis-server", server, check=lambda: _redis_keys(port) is not None, timeout=30)
+    return server, port
+
+
+def _redis_keys(port: int) -> int | None:
+    """How many keys the Redis server on `port` holds (None: not answering)."""
+    import socket
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+            conn.sendall(b"DBSIZE\r\n")
+            return int(conn.recv(64).strip().lstrip(b":"))
+    except (OSError, ValueError):
+        return None
+
+
 def _deployed(get):
     home = get("tmp_path_factory").mktemp("kv_tier") / "home"
     run = f"tier-{uuid.uuid4().hex[:8]}"
@@ -46,20 +73,43 @@ def _deployed(get):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_")}
     env.update(FORGE_HOME=str(home), **{f"FORGE_{k}_PORT": str(v) for k, v in ports.items()})
     topology = home.parent / "tier.yaml"
+    redis = _redis(home.parent)
+    l2 = [{"type": "resp", "host": "127.0.0.1", "port": redis[1], "num_workers": 2}] if redis else []
     topology.write_text(json.dumps({"name": "kv-tier-test", "services": [
-        {"kv_tier": {"l1_size_gb": 0.5, "chunk_size": CHUNK}},
+        {"kv_tier": {"l1_size_gb": 0.5, "chunk_size": CHUNK, "l2_adapters": l2}},
         {"engine": {"kind": "vllm", "replicas": 2, "model": str(get("tiny_model_dir")), "policy_run": run,
                     "served_model_name": "tiny-tier", "kv_cache_gib": 1,
-                    "checkpoint_dir": str(get("tmp_path_factory").getbasetemp())}},
+                    "checkpoint_dir": str(get("tmp_path_factory").getbasetemp()),
+                    # on a GPU host (tests/gpu/kv_tier_check.sh) both engines share the one GPU
+                    "vllm_args": ["--gpu-memory-utilization=0.3"] if shutil.which("nvidia-smi") else []}},
         {"gateway": {"max_queue": 0}},  # a group's turn leaves its home engine as soon as that one is busy
     ]}))
     bootstrap = get("kafka_bootstrap")
 
     def up() -> dict:
-        out = json.loads(cli(env, "up", str(topology), "--bootstrap-servers", bootstrap, "--json", timeout=1500))
-        return {"env": env, "home": home, "run": run, "bootstrap": bootstrap, "up": out,
-                "engines": [f"http://127.0.0.1:{ports['ENGINE'] + i}" for i in range(2)],
-                "gateway": f"http://127.0.0.1:{ports['GATEWAY']}"}
+        deployment = {"env": env, "home": home, "run": run, "bootstrap": bootstrap, "redis": redis,
+                      "engines": [f"http://127.0.0.1:{ports['ENGINE'] + i}" for i in range(2)],
+                      "gateway": f"http://127.0.0.1:{ports['GATEWAY']}", "host_b": None}
+        if redis:  # "host B": a tier of its own on the same second level, and an engine of the same run on it
+            from forge_stream.engine.vllm_runtime import ensure_runtime
+            from forge_stream.kvtier import TierSettings, server_argv
+            from forge_stream.settings import ForgeSettings
+
+            rt = ensure_runtime(ForgeSettings().cache_dir)
+            tier_b = TierSettings(port=free_port(), http_port=free_port(), l1_size_gb=0.25, chunk_size=CHUNK,
+                                  l2_adapters=(json.dumps(l2[0]),))
+            server_b = proc.start_process(server_argv(rt.python, tier_b, rt.target), home.parent / "kv_tier_b.log",
+                                          env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+            engine_b = EngineProcess(str(get("tiny_model_dir")), kind="vllm", log_path=home.parent / "engine_b.log",
+                                     extra_args=("--kv-tier", tier_b.url, "--policy-run", run, "--bootstrap-servers",
+                                                 bootstrap, "--kv-cache-gib", "1", "--checkpoint-dir",
+                                                 str(get("tmp_path_factory").getbasetemp()))).spawn()
+            deployment["host_b"] = {"server": server_b, "engine": engine_b, "url": engine_b.url}
+        deployment["up"] = json.loads(cli(env, "up", str(topology), "--bootstrap-servers", bootstrap, "--json",
+                                          timeout=1500))
+        if deployment["host_b"]:
+            deployment["host_b"]["engine"].wait()
+        return deployment
     return up
 
 
@@ -80,6 +130,11 @@ def _two_free_ports() -> int:
 def _down(deployment: dict) -> None:
     subprocess.run([sys.executable, "-m", "forge_stream", "down"], env=deployment["env"], capture_output=True,
                    timeout=300)
+    if deployment["host_b"]:
+        deployment["host_b"]["engine"].stop()
+        proc.stop(deployment["host_b"]["server"], 10)
+    if deployment["redis"]:
+        proc.stop(deployment["redis"][0], 10)
 
 
 EARLY.declare("kv_tier_up", lambda item: "tier" in item.fixturenames, _deployed, stop=_down)
@@ -102,10 +157,12 @@ def prompt(seed: int, length: int = PROMPT) -> list[int]:
     return [rng.randrange(10, 900) for _ in range(length)]  # within the tiny tokenizer's 982 ids
 
 
-def complete(tier: dict, engine: int, ids: list[int], seed: int = 0) -> dict:
-    """A completion of `ids` straight from engine `engine`, sampled at T = 1 (so vLLM's processed log-probs are the
-    model's own), with the engine's policy version and where its prompt's KV came from."""
-    response = httpx.post(f"{tier['engines'][engine]}/v1/completions", headers=tier["engine_headers"], timeout=300,
+def complete(tier: dict, engine: int | str, ids: list[int], seed: int = 0) -> dict:
+    """A completion of `ids` straight from engine `engine` (an index among the deployment's, or a URL), sampled at
+    T = 1 (so vLLM's processed log-probs are the model's own), with the engine's policy version and where its
+    prompt's KV came from."""
+    url = tier["engines"][engine] if isinstance(engine, int) else engine
+    response = httpx.post(f"{url}/v1/completions", headers=tier["engine_headers"], timeout=300,
                           json={"model": "any", "prompt": ids, "max_tokens": 6, "temperature": 1.0, "seed": seed,
                                 "logprobs": 0, "return_token_ids": True})
     assert response.status_code == 200, response.text
@@ -154,6 +211,18 @@ def test_a_prompt_computed_on_one_engine_is_read_from_the_tier_by_the_other(tier
         assert max(abs(a - b) for a, b in zip(logprobs(answer), want)) < 1e-3
     counters = tier_status(tier)["kv_tier"]
     assert counters["hit_tokens"] >= 2 * CHUNK and counters["stored_chunks"] >= 2
+
+
+def test_a_second_hosts_tier_reads_what_the_first_stored_through_their_shared_second_level(tier):
+    if tier["host_b"] is None:
+        pytest.skip("redis-server is not installed here (Debian's package): no second level to share")
+    before = _redis_keys(tier["redis"][1])
+    ids = prompt(seed=10)
+    assert complete(tier, 0, ids)["prompt_cache"]["tier"] == 0  # host A: computed, stored in A's L1 and in Redis
+    wait_for("host A's tier wrote the prompt's chunks to the second level",
+             lambda: _redis_keys(tier["redis"][1]) >= before + 2, timeout=60, every=0.5)
+    far = complete(tier, tier["host_b"]["url"], ids)  # host B's engine, on host B's tier, which never saw it
+    assert far["prompt_cache"]["tier"] == 2 * CHUNK, far["prompt_cache"]
 
 
 def test_kv_of_one_policy_version_is_never_served_to_another(tier, tiny_model_dir, tmp_path):
