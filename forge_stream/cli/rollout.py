@@ -1,5 +1,7 @@
 """`forge-stream rollout run`: roll out tasks with an unmodified agent through the gateway, grade, reward.
 
+Before it publishes any task it checks that the gateway and, through it, the engine answer (one line and exit status
+1 within seconds where either does not; a service started with --wait-for-kafka waits for them, saying why).
 It runs until the task source ends (or, with `--loop`, until stopped): Ctrl-C or SIGTERM stops taking new
 groups and lets the sessions in flight finish (a second one aborts them; the next start closes them). A run in which
 every session failed, or no session ran (and no group was left to an earlier run of the same name), exits with status
@@ -20,7 +22,7 @@ from rich.progress import Progress
 
 from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
 from forge_stream.cli.options import admin_token as deployment_token
-from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
+from forge_stream.startup import WaitForKafkaOption, reach_gateway, ready_kafka, user_error
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 
@@ -106,6 +108,7 @@ def run(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    reach_gateway(rollout.gateway_url, rollout.admin_token, wait=wait_for_kafka)  # before any Task is published
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
     reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
     failures: list[str] = []  # why the first session that failed failed

@@ -14,7 +14,7 @@ from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.services import ServiceError, Supervisor
-from forge_stream.startup import kafka_unreachable
+from forge_stream.startup import engine_unreachable, gateway_unreachable, kafka_unreachable
 
 console = Console(stderr=True, soft_wrap=True)  # long paths stay whole on their line (copyable) when not on a terminal
 
@@ -85,6 +85,17 @@ def _print_whole(out: Console, *tables: Table) -> None:
     out.print(*tables)
 
 
+def _rollout_hint(services: dict) -> str | None:
+    """The line a rollout run would fail with (`startup.reach_gateway`) when the gateway or its engine is not
+    running; None when both run (or the deployment has no gateway)."""
+    gateway, engine = services.get("gateway"), services.get("engine")
+    if gateway and gateway["state"] != "running":
+        return gateway_unreachable(gateway["url"], f"its service is {gateway['state']}")
+    if gateway and engine and engine["state"] != "running":
+        return engine_unreachable(gateway["url"], f"its service is {engine['state']}")
+    return None
+
+
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
     """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
     (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
@@ -120,6 +131,8 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
                          f"{last['reason']} after {last['ran_s']:.0f}s" if last else "", s["url"] or "")
     if result["services"]:
         _print_whole(out, services)
+    if hint := _rollout_hint(result["services"]):
+        out.print(hint, style="red", markup=False, highlight=False)
     if result["services"] and not any(s["supervised"] for s in result["services"].values()):
         out.print("[red]The supervisor is not running[/red]: nothing restarts a service that dies. "
                   "`forge-stream up` starts it again.")
