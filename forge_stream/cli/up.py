@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional
 
 import typer
@@ -13,6 +14,7 @@ from forge_stream import deploy
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
+from forge_stream.scheduler import report
 from forge_stream.services import ServiceError, Supervisor
 from forge_stream.startup import engine_unreachable, gateway_unreachable, kafka_unreachable
 
@@ -97,11 +99,13 @@ def _rollout_hint(services: dict) -> str | None:
 
 
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
-    """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
-    (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
+    """Broker reachability, topics with partitions and end offsets, consumer-group lag, per service its state
+    (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail,
+    and per trainer run what its windowed FIFO waits for (`window`)."""
     cfg = settings(bootstrap_servers)
     result = describe(cfg.bootstrap)
     result["services"] = Supervisor(cfg.run_dir).status()
+    result["window"] = report.read_views(cfg.run_dir)
     if as_json:
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["reachable"] else 1)
@@ -131,6 +135,10 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
                          f"{last['reason']} after {last['ran_s']:.0f}s" if last else "", s["url"] or "")
     if result["services"]:
         _print_whole(out, services)
+    for view in result["window"].values():
+        age = "" if view["trainer_running"] else (f" (its trainer is not running; as of "
+                                                  f"{time.time() - view['updated_ms'] / 1000:.0f} s ago)")
+        out.print(f"windowed FIFO of {report.line(view)}{age}", markup=False, highlight=False)
     if hint := _rollout_hint(result["services"]):
         out.print(hint, style="red", markup=False, highlight=False)
     if result["services"] and not any(s["supervised"] for s in result["services"].values()):
