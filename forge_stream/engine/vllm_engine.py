@@ -196,7 +196,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.name, "object": "model", "owned_by": "forge-stream",
-                                            "root": settings.model, "max_model_len": settings.max_model_len,
+                                            "max_model_len": settings.max_model_len,  # no root: no host path
                                             "policy_version": state.gate.version}]}
 
     @app.get("/health")
