@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, kind: str) -> Response:
-    return Response(error_body(status, message, kind), status_code=status, media_type="application/json")
+    return Response(error_body(message, kind), status_code=status, media_type="application/json")
 
 
 async def _relay(request: Request, path: str) -> Response:
