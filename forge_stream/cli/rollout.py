@@ -151,8 +151,8 @@ def run(
                f"{result['groups']} groups, {result['sessions']} sessions ({result['failed_sessions']} failed, "
                f"{result['failed_groups']} groups not submitted, {result['skipped_groups']} already submitted, "
                f"{result['recovered_sessions']} left open by an earlier run closed, {result['replayed_groups']} "
-               f"replayed at the edge, {result['rerun_groups']} rolled out again as no session of an earlier run's "
-               f"group of them ran, {result['unopened_groups']} closed as no session opened), "
+               f"replayed at the edge, {result['rerun_groups']} rolled out again (no session of an earlier run's "
+               f"group of the task ran), {result['unopened_groups']} closed at once (no session opened)), "
                f"mean reward {result['mean_reward']}")
     failed = run_failure(result)
     if failed:
