@@ -114,8 +114,7 @@ class RequireBearer:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = bearer({k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]})
             if not (given and hmac.compare_digest(given.encode(), self.token.encode())):
-                body = error_body(401, "This engine needs its token (Authorization: Bearer ...).",
-                                  "AuthenticationError")
+                body = error_body("This engine needs its token (Authorization: Bearer ...).", "AuthenticationError")
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
                 await send({"type": "http.response.body", "body": body})

@@ -7,12 +7,11 @@ from __future__ import annotations
 import orjson
 
 
-def error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
-    """The JSON body of an error answered with HTTP `status`; `code` is OpenAI's error code where it has one (e.g.
-    "context_length_exceeded"), else the status.
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
+    """The JSON body of an error, in OpenAI's shape exactly: `code` is OpenAI's error code, a string, where it has
+    one (e.g. "context_length_exceeded"), else null (the HTTP status is the answer's, not the body's).
 
-    >>> error_body(404, "No such session.", "not_found_error")
-    b'{"error":{"message":"No such session.","type":"not_found_error","param":null,"code":404}}'
+    >>> error_body("No such session.", "not_found_error")
+    b'{"error":{"message":"No such session.","type":"not_found_error","param":null,"code":null}}'
     """
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status if code is None else code}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})

@@ -115,7 +115,7 @@ TOPICS = Catalog(
                        ("processors",), ("analytics", "parquet sink"), doc="Assembled sessions with advantages.",
                        max_message_bytes=4 * MiB),
     samples=Topic("forge.samples", "group_id", ("TrainSample", "GroupSkipped", "SampleClaim"), ROLLOUT_PARTITIONS, 30 * DAY_MS,
-                  ("processors",), ("scheduler", "trainer"),
+                  ("processors", "rollout controller"), ("scheduler", "trainer"),
                   doc="One packed prefix tree per group, or why the group has none (GroupSkipped).",
                   max_message_bytes=64 * MiB),  # a group of long sessions: millions of tree rows
     policy=Topic("forge.policy", "run", ("PolicyVersion",), 1, FOREVER,

@@ -203,7 +203,7 @@ class ScriptedEngine:
         elif path == "/health":
             result = b"{}"
         else:
-            return await reply_json(send, 404, error_body(404, "not found", "not_found_error"))
+            return await reply_json(send, 404, error_body("not found", "not_found_error"))
         if isinstance(result, list):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})

@@ -1,9 +1,12 @@
 """`forge-stream rollout run`: roll out tasks with an unmodified agent through the gateway, grade, reward.
 
+Before it publishes any task it checks that the gateway and, through it, the engine answer (one line and exit status
+1 within seconds where either does not; a service started with --wait-for-kafka waits for them, saying why).
 It runs until the task source ends (or, with `--loop`, until stopped): Ctrl-C or SIGTERM stops taking new
 groups and lets the sessions in flight finish (a second one aborts them; the next start closes them). A run in which
 every session failed, or no session ran (and no group was left to an earlier run of the same name), exits with status
-1 and one line saying so.
+1 and one line saying so; sessions that failed are reported by reason, one line per distinct reason with its count,
+never one per session.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from rich.progress import Progress
 
 from forge_stream.cli.options import AdminTokenOption, BootstrapOption, JsonOption, settings, task_source
 from forge_stream.cli.options import admin_token as deployment_token
-from forge_stream.startup import WaitForKafkaOption, ready_kafka, user_error
+from forge_stream.startup import WaitForKafkaOption, reach_gateway, ready_kafka, user_error
 
 app = typer.Typer(no_args_is_help=True, help="The agent side: tasks -> groups of sessions -> rewards.")
 
@@ -69,7 +72,8 @@ def run(
     agent_per_worker: int = typer.Option(16, help="Episodes in flight per agent process."),
     gateway_url: Optional[str] = typer.Option(None, help="Gateway base URL (default: the local one)."),
     name: str = typer.Option("rollout", help="Controller name: part of every group id; a restart with the same "
-                                             "name skips the Tasks it already published."),
+                                             "name skips the Tasks it already published (all but those of groups "
+                                             "in which no session ran: it rolls those out again)."),
     group_size: Optional[int] = typer.Option(None, help="Override every task's group size G."),
     concurrency: int = typer.Option(8, help="Sessions in flight."),
     attempt: int = typer.Option(0, help="First cycle number: roll the same tasks out again as new groups."),
@@ -106,9 +110,9 @@ def run(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    reach_gateway(rollout.gateway_url, rollout.admin_token, wait=wait_for_kafka)  # before any Task is published
     producer = EventProducer(cfg.bootstrap, patient=True)  # an outage pauses submissions
     reports = ProgressLog(report_every, concurrency) if report_every > 0 and not sys.stderr.isatty() else None
-    failures: list[str] = []  # why the first session that failed failed
     if reports:
         logger = logging.getLogger("forge_stream.rollout.controller")
         logger.setLevel(logging.INFO)
@@ -125,8 +129,6 @@ def run(
 
         def done(_task_id, outcomes) -> None:
             progress.advance(bar)
-            if not failures:
-                failures.extend(o.reason or "no reason given" for o in outcomes if not o.ok)
             if reports:
                 reports.add(outcomes)
 
@@ -149,22 +151,34 @@ def run(
                f"{result['groups']} groups, {result['sessions']} sessions ({result['failed_sessions']} failed, "
                f"{result['failed_groups']} groups not submitted, {result['skipped_groups']} already submitted, "
                f"{result['recovered_sessions']} left open by an earlier run closed, {result['replayed_groups']} "
-               f"replayed at the edge), "
+               f"replayed at the edge, {result['rerun_groups']} rolled out again (no session of an earlier run's "
+               f"group of the task ran), {result['unopened_groups']} closed at once (no session opened)), "
                f"mean reward {result['mean_reward']}")
-    failed = run_failure(result, failures)
+    failed = run_failure(result)
     if failed:
         typer.echo(f"error: {failed}", err=True)
         raise typer.Exit(1)
+    for reason, count in list(result["failures"].items())[:SHOWN_REASONS]:
+        typer.echo(f"warning: {count} session{'s' * (count > 1)} failed: {reason}", err=True)
+    if len(result["failures"]) > SHOWN_REASONS:
+        typer.echo(f"warning: sessions failed for {len(result['failures']) - SHOWN_REASONS} other reasons (each "
+                   "session's is on forge.sessions)", err=True)
 
 
-def run_failure(result: dict, failures: list[str]) -> str | None:
-    """What makes a rollout run a failure, in one line: every session failed (with the first reason), or none ran
+SHOWN_REASONS = 5  # distinct reasons of failed sessions printed after a run that did its work
+
+
+def run_failure(result: dict) -> str | None:
+    """What makes a rollout run a failure, in one line: every session failed (with the commonest reason), or none ran
     although no earlier run of this name had submitted the groups; None when it did its work."""
     sessions, failed = result["sessions"], result["failed_sessions"]
     if sessions and failed == sessions:
-        first = " ".join(failures[0].split()) if failures else "unknown"
-        return (f"every session failed ({failed} of {sessions}); the first: {first}"
-                " (a warning above names each)")
+        reasons = list(result["failures"].items()) or [("unknown", failed)]
+        reason, count = reasons[0]
+        if len(reasons) == 1:
+            return f"every session failed ({failed} of {sessions}): {reason}"
+        return (f"every session failed ({failed} of {sessions}); {count} of them: {reason}; the others for "
+                f"{len(reasons) - 1} other reasons (each session's is on forge.sessions)")
     if sessions or result["skipped_groups"]:
         return None
     if result["failed_groups"]:

@@ -72,6 +72,7 @@ def train(
     import torch.distributed
 
     from forge_stream.scheduler.consumer import SchedulerSettings
+    from forge_stream.scheduler.report import view_file
     from forge_stream.trainer import distributed
     from forge_stream.trainer.service import TrainerSettings, run_trainer
     from forge_stream.trainer.step import StepConfig, clip_for
@@ -89,7 +90,7 @@ def train(
     scheduler = SchedulerSettings(bootstrap=cfg.bootstrap, run=run, batch_size=batch_size,
                                   window=parse_window(window), rollout_slots=rollout_slots,
                                   group_timeout_s=group_timeout, max_staleness=max_staleness,
-                                  stale_action=stale_action)
+                                  stale_action=stale_action, view_path=view_file(cfg.run_dir, run))
     trainer = TrainerSettings(bootstrap=cfg.bootstrap, base_model=model or cfg.model_dir,
                               checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir / run, scheduler=scheduler,
                               step=StepConfig(loss=loss, clip=clip_for(loss, eps_low, eps_high),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional
 
 import typer
@@ -14,8 +15,9 @@ from forge_stream.cli.options import BootstrapOption, JsonOption, settings
 from forge_stream.engine.vllm_runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.kvtier import tier_status
+from forge_stream.scheduler import report
 from forge_stream.services import ServiceError, Supervisor
-from forge_stream.startup import kafka_unreachable
+from forge_stream.startup import engine_unreachable, gateway_unreachable, kafka_unreachable
 
 console = Console(stderr=True, soft_wrap=True)  # long paths stay whole on their line (copyable) when not on a terminal
 
@@ -106,9 +108,21 @@ def _tier_line(tier: dict) -> str:
             f"{tier['lookup_tokens']} prompt tokens found{share}, {tier['stored_chunks']} chunks stored")
 
 
+def _rollout_hint(services: dict) -> str | None:
+    """The line a rollout run would fail with (`startup.reach_gateway`) when the gateway or its engine is not
+    running; None when both run (or the deployment has no gateway)."""
+    gateway, engine = services.get("gateway"), services.get("engine")
+    if gateway and gateway["state"] != "running":
+        return gateway_unreachable(gateway["url"], f"its service is {gateway['state']}")
+    if gateway and engine and engine["state"] != "running":
+        return engine_unreachable(gateway["url"], f"its service is {engine['state']}")
+    return None
+
+
 def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = JsonOption) -> None:
-    """Broker reachability, topics with partitions and end offsets, consumer-group lag, and per service its state
-    (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail."""
+    """Broker reachability, topics with partitions and end offsets, consumer-group lag, per service its state
+    (running, starting, unhealthy, restarting, crash-looping, dead), pid, restarts and last exit with its log's tail,
+    and per trainer run what its windowed FIFO waits for (`window`)."""
     cfg = settings(bootstrap_servers)
     result = describe(cfg.bootstrap)
     result["services"] = Supervisor(cfg.run_dir).status()
@@ -116,6 +130,7 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
     if tier is not None:
         result["kv_tier"] = {"address": tier["url"], **(tier_status(tier["health_url"].removesuffix("/healthcheck"))
                                                         if tier["running"] else {"reachable": False})}
+    result["window"] = report.read_views(cfg.run_dir)
     if as_json:
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["reachable"] else 1)
@@ -147,6 +162,12 @@ def status(bootstrap_servers: Optional[str] = BootstrapOption, as_json: bool = J
         _print_whole(out, services)
     if "kv_tier" in result:
         out.print(_tier_line(result["kv_tier"]))
+    for view in result["window"].values():
+        age = "" if view["trainer_running"] else (f" (its trainer is not running; as of "
+                                                  f"{time.time() - view['updated_ms'] / 1000:.0f} s ago)")
+        out.print(f"windowed FIFO of {report.line(view)}{age}", markup=False, highlight=False)
+    if hint := _rollout_hint(result["services"]):
+        out.print(hint, style="red", markup=False, highlight=False)
     if result["services"] and not any(s["supervised"] for s in result["services"].values()):
         out.print("[red]The supervisor is not running[/red]: nothing restarts a service that dies. "
                   "`forge-stream up` starts it again.")

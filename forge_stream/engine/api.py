@@ -110,7 +110,7 @@ async def load_weights(body: LoadWeightsRequest, request: Request) -> LoadWeight
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> Response:
-    return Response(error_body(status, message, kind, param), status_code=status, media_type="application/json")
+    return Response(error_body(message, kind, param), status_code=status, media_type="application/json")
 
 
 def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: FollowerStatus) -> asyncio.Task:

@@ -33,7 +33,8 @@ def serve(
     model: str = typer.Option(..., help="HuggingFace causal-LM directory."),
     port: int = typer.Option(8100, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    served_model_name: str = typer.Option(None, help="Model name in responses (default: the path)."),
+    served_model_name: str = typer.Option(None, help="Model name in responses (default: the model "
+                                                     "directory's name, never its path)."),
     policy_version: int = typer.Option(0, help="Policy version of the initial weights."),
     max_batch_size: int = typer.Option(32, help="Most sequences decoded together."),
     prefix_cache_tokens: int = typer.Option(65536, help="Prompt KV kept for prompts that share a prefix (0: off)."),
@@ -102,7 +103,8 @@ def vllm(
     model: str = typer.Option(..., help="HuggingFace causal-LM directory."),
     port: int = typer.Option(8100, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    served_model_name: str = typer.Option(None, help="Model name in responses (default: the path)."),
+    served_model_name: str = typer.Option(None, help="Model name in responses (default: the model "
+                                                     "directory's name, never its path)."),
     policy_version: int = typer.Option(0, help="Policy version of the initial weights."),
     max_batch_size: int = typer.Option(64, help="Most sequences vLLM decodes together (--max-num-seqs)."),
     max_model_len: int = typer.Option(2048, help="Prompt + completion limit."),

@@ -222,8 +222,8 @@ class EngineService:
     # ----- models, health, weights -----------------------------------------------------------------------
 
     def models(self) -> ModelList:
-        card = ModelCard(id=self.settings.model_name, root=self.scheduler.current.path,
-                         max_model_len=self.max_model_len, policy_version=self.policy_version)
+        card = ModelCard(id=self.settings.model_name, max_model_len=self.max_model_len,
+                         policy_version=self.policy_version)  # no root: agents are not told the engine's paths
         return ModelList(data=[card])
 
     def health(self) -> HealthResponse:

@@ -186,7 +186,7 @@ class ChatServing:
             elif isinstance(event, TokenEvent):
                 yield chunk([self._stream_choice(request, event, states[event.choice])])
             elif isinstance(event, Failed):
-                yield f"data: {error_body(500, event.message, 'InternalServerError').decode()}\n\n"
+                yield f"data: {error_body(event.message, 'InternalServerError').decode()}\n\n"
                 break
         else:
             if request.stream_options and request.stream_options.include_usage:

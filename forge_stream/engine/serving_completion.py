@@ -143,7 +143,7 @@ class CompletionServing:
                 versions[p_index] = event.policy_version
                 continue
             if isinstance(event, Failed):
-                yield f"data: {error_body(500, event.message, 'InternalServerError').decode()}\n\n"
+                yield f"data: {error_body(event.message, 'InternalServerError').decode()}\n\n"
                 break
             assert isinstance(event, TokenEvent)
             index = p_index * n + event.choice

@@ -1,6 +1,7 @@
 """Settings of one local rollout engine process, built once at the entry point and passed down."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.sampling import LogprobsMode
@@ -8,7 +9,8 @@ from forge_stream.engine.sampling import LogprobsMode
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """`model` is a HuggingFace causal-LM directory; it is also the served model name unless one is given.
+    """`model` is a HuggingFace causal-LM directory; its name (never its path: answers go to agents, which are not
+    told where the engine's files are) is the served model name unless one is given.
 
     With `token` set every route but /health needs it as a bearer token; bound beyond loopback the engine refuses
     to start without one (ValueError). Weights load, by `/v1/admin/load_weights` or from a forge.policy record,
@@ -38,4 +40,4 @@ class EngineSettings:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or Path(self.model).name

@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, kind: str) -> Response:
-    return Response(error_body(status, message, kind), status_code=status, media_type="application/json")
+    return Response(error_body(message, kind), status_code=status, media_type="application/json")
 
 
 async def _relay(request: Request, path: str) -> Response:
@@ -227,7 +227,7 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.name, "object": "model", "owned_by": "forge-stream",
-                                            "root": settings.model, "max_model_len": settings.max_model_len,
+                                            "max_model_len": settings.max_model_len,  # no root: no host path
                                             "policy_version": state.gate.version}]}
 
     @app.get("/health")

@@ -89,7 +89,7 @@ class VllmEngineSettings:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or Path(self.model).name  # the directory's name: never a host path
 
     @property
     def kv_connector(self) -> bool:

@@ -41,7 +41,7 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
-    return Response(error_body(status, message, _KINDS.get(status, "server_error"), param), status_code=status,
+    return Response(error_body(message, _KINDS.get(status, "server_error"), param), status_code=status,
                     media_type="application/json", headers=headers)
 
 

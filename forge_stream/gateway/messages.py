@@ -21,6 +21,11 @@ from forge_stream.gateway.protocol import GatewayError, first_choice_deltas
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
                 422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+# the Anthropic type of an error event in a stream, from the OpenAI type of the chat stream's error (whose body has
+# no status: OpenAI's `code` is a string or null)
+_STREAM_ERROR_TYPES = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
+                       "permission_error": "permission_error", "not_found_error": "not_found_error",
+                       "rate_limit_error": "rate_limit_error", "service_unavailable": "overloaded_error"}
 _SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # a past turn's reasoning: no chat prompt holds it
 
 # JSON schema of a Messages request as far as `to_chat` reads it, for the OpenAPI document
@@ -341,9 +346,9 @@ class EventStream:
 
 def fail(error: dict) -> bytes:
     """The `error` event of a stream whose engine or Kafka failed (nothing was recorded)."""
-    status = error.get("code") if isinstance(error.get("code"), int) else 500
     message = str(error.get("message") or "The message failed.")
-    return b"event: error\ndata: " + error_body(_ERROR_TYPES.get(status, "api_error"), message) + b"\n\n"
+    return b"event: error\ndata: " + error_body(_STREAM_ERROR_TYPES.get(error.get("type"), "api_error"),
+                                                message) + b"\n\n"
 
 
 async def events(message_id: str, body: dict, chat: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

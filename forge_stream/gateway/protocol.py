@@ -25,12 +25,12 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
         self.raw = raw  # a body of its own (the Anthropic shape), answered instead of OpenAI's
-        self.code = code  # OpenAI's error code (e.g. "context_length_exceeded"); default: the status
+        self.code = code  # OpenAI's error code (e.g. "context_length_exceeded"); None where it has none
 
     def body(self) -> bytes:
         if self.raw is not None:
             return self.raw
-        return error_body(self.status, self.message, self.kind, self.param, self.code)
+        return error_body(self.message, self.kind, self.param, self.code)
 
 
 CONTEXT_FULL = "maximum context length"  # in vLLM's (and OpenAI's) message when prompt + max_tokens do not fit
@@ -83,11 +83,11 @@ def engine_stream_error(chunk: dict) -> bytes:
     code = error.get("code") if isinstance(error, dict) else None
     message = error.get("message") if isinstance(error, dict) else None
     if isinstance(code, int) and 400 <= code < 500 and isinstance(message, str):
-        body = error_body(code, message[:ENGINE_MESSAGE_CHARS], "invalid_request_error")
+        body = error_body(message[:ENGINE_MESSAGE_CHARS], "invalid_request_error")
     else:
         log.warning("engine sent an error event in its stream: %s", orjson.dumps(chunk)[:4000].decode())
-        body = error_body(500, "The engine failed during the stream, and nothing was recorded; retry shortly (the "
-                               "gateway's log has the engine's answer).", "engine_error")
+        body = error_body("The engine failed during the stream, and nothing was recorded; retry shortly (the "
+                          "gateway's log has the engine's answer).", "engine_error")
     return b"data: " + body + b"\n\n"
 
 

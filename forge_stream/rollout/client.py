@@ -2,7 +2,8 @@
 
 Transport errors (connection refused or reset, read errors, timeouts) and answers 429 or 5xx are retried a few
 times with exponential backoff; anything else is the gateway's final word. A call that still fails raises
-`GatewayCallError`, which the controller turns into one failed session, never a failed run.
+`GatewayCallError` naming the URL it called, which the controller turns into one failed session, never a failed
+run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class GatewayClient:
     def __init__(self, url: str, admin_token: str | None = None, retry: RetryPolicy = RetryPolicy(),
                  timeout_s: float = 60.0):
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.url = url.rstrip("/")
         self.retry = retry
         self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
 
@@ -52,7 +54,7 @@ class GatewayClient:
                 error = f"HTTP {response.status_code}: {response.text[:200]}"
             if attempt + 1 < self.retry.attempts:
                 await asyncio.sleep(self.retry.delay(attempt))
-        raise GatewayCallError(f"{method} {path} failed {self.retry.attempts} times; last: {error}")
+        raise GatewayCallError(f"{method} {self.url}{path} failed {self.retry.attempts} times; last: {error}")
 
     @staticmethod
     def _refused(action: str, response: httpx.Response) -> GatewayCallError:

@@ -10,6 +10,7 @@ task's prompt; its reference (the answer) goes to the grader alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from forge_stream.rollout.agents import Agent, AgentContext, AgentResult
@@ -26,6 +27,7 @@ class SessionOutcome:
     reward: float | None  # None: no reward was recorded
     ok: bool
     reason: str | None = None
+    opened: bool = True  # False: the gateway did not open the session (no agent ran)
 
 
 class Slots:
@@ -80,13 +82,15 @@ async def run_episode(client: GatewayClient, agent: Agent, task: TaskSpec, group
                       metadata: dict[str, str]) -> SessionOutcome:
     """Open the session, run the agent, grade, post the outcome reward, finish the session."""
 
-    def outcome(reward: float | None, ok: bool, reason: str | None) -> SessionOutcome:
-        return SessionOutcome(session_id, task.task_id, task.domain, reward, ok, reason)
+    def outcome(reward: float | None, ok: bool, reason: str | None, opened: bool = True) -> SessionOutcome:
+        return SessionOutcome(session_id, task.task_id, task.domain, reward, ok, reason, opened)
 
     try:
         created = await client.open(session_id, task.task_id, group_id, metadata)
-    except GatewayCallError as exc:  # it may exist all the same (an answer lost on the way back): close it
-        return outcome(None, False, await _finish_failed(client, session_id, str(exc)))
+    except GatewayCallError as exc:  # it may exist all the same (an answer lost on the way back): close it if so
+        with contextlib.suppress(GatewayCallError):  # a session that does not exist cannot be finished (404)
+            await client.finish(session_id, "error", str(exc))
+        return outcome(None, False, str(exc), opened=False)
     result = await _run_agent(agent, AgentContext(session_id, created["base_url"], created["token"], task.prompt))
     reward, ok, reason = _grade(task, result)
     try:

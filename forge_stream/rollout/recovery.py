@@ -1,8 +1,11 @@
-"""What a restarted rollout controller reads back from Kafka: its own Tasks, and its sessions left open.
+"""What a restarted rollout controller reads back from Kafka: its own Tasks, their sessions left open, and the groups
+in which no session ran.
 
 Every Task a controller publishes carries its name in `metadata["controller"]`, and its ids are deterministic, so
 on start it knows which groups it already submitted (it does not submit them again) and the highest `seq` it used.
 Sessions of those groups that forge.sessions shows started but not finished were cut off by the previous run's end.
+A group none of whose sessions ran (none opened, or every one failed: none finished ok, none was cut off by a
+restart) taught nothing, so it is no reason to skip its task: the next run of the same name rolls the task out again.
 Both reads go through `kafka.history` (assigned partitions, nothing committed).
 """
 
@@ -15,6 +18,7 @@ from forge_stream.topics import TOPICS
 
 CONTROLLER_KEY = "controller"  # the Task.metadata entry naming the controller that published it
 CLOCK_SKEW_MS = 60_000  # the gateway's clock may run behind the controller's
+RESTARTED = "rollout controller restarted"  # the reason of a session a restart found open and finished
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,30 @@ def published_tasks(bootstrap: str, controller: str) -> Published:
                       if e.record["metadata"].get(CONTROLLER_KEY) == controller})
 
 
-def unfinished_sessions(bootstrap: str, published: Published) -> list[str]:
-    """Ids of the sessions of `published` groups with a SessionStarted and no SessionFinished on forge.sessions."""
-    if not published.tasks:
-        return []
+@dataclass(frozen=True)
+class Sessions:
+    """What forge.sessions shows of the published groups."""
+
+    unfinished: list[str]  # ids of the sessions with a SessionStarted and no SessionFinished
+    idle_tasks: frozenset[str]  # Task event ids of the groups in which no session ran
+
+
+def published_sessions(bootstrap: str, published: Published) -> Sessions:
+    """The sessions of `published` groups left open, and the groups none of whose sessions ran: none finished ok,
+    none is open, none was finished by a restart (a group cut off by a restart counts as submitted)."""
     groups = {t["group_id"] for t in published.tasks.values()}
-    started, finished = set(), set()
-    for event in read_slice(bootstrap, TOPICS.sessions, Slice(start_ms=published.since_ms)):
-        if event.record["group_id"] in groups:
-            (started if event.schema == "SessionStarted" else finished).add(event.record["session_id"])
-    return sorted(started - finished)
+    started, finished, ran = set(), set(), set()
+    for event in read_slice(bootstrap, TOPICS.sessions, Slice(start_ms=published.since_ms)) if groups else ():
+        record = event.record
+        if record["group_id"] not in groups:
+            continue
+        if event.schema == "SessionStarted":
+            started.add((record["group_id"], record["session_id"]))
+            continue
+        finished.add((record["group_id"], record["session_id"]))
+        if record["status"] == "ok" or record["reason"] == RESTARTED:
+            ran.add(record["group_id"])
+    unfinished = started - finished
+    ran |= {group for group, _ in unfinished}
+    return Sessions(sorted(session for _, session in unfinished),
+                    frozenset(event_id for event_id, t in published.tasks.items() if t["group_id"] not in ran))

@@ -37,6 +37,12 @@ assigned: Tasks and samples are keyed by group, so an older group's Task may sit
 after a younger group's Task and sample, and handing the younger one out first would break the FIFO (and, after
 a restart, leave the older group neither queued nor skipped until its Task was read).
 
+Saying what it waits for. While it waits for a batch, every few seconds it takes a `view` of the window: the head (the
+oldest unfinished group, which bounds what the window may hand out), how long it has waited, what it misses (its
+sample; of its sessions, how many opened and finished on forge.sessions) and when the backstop above skips it. Once the
+head has waited `report.WAIT_SAY_S` it logs that in one line (again every `SAY_EVERY_S`, and whenever the head
+changes), and with `view_path` set it writes the view there for `forge-stream status` (forge_stream.scheduler.report).
+
 Window basis. `SchedulerSettings.window` is a WindowSpec. A fraction applies to `rollout_slots` (the
 rollout concurrency, as in the benchmark) when it is set, otherwise to the current queue (groups submitted
 and not yet consumed).
@@ -44,7 +50,10 @@ and not yet consumed).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Literal, Protocol
 
 from forge_stream.events import deterministic_id, encode, now_ms
@@ -54,10 +63,14 @@ from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.kafka.reader import PartitionReader
 from forge_stream.processors.groups import InvalidEvent, validate as check_event
+from forge_stream.scheduler import report
 from forge_stream.scheduler.window import WindowedFifo, WindowSpec
 from forge_stream.topics import TOPICS
 
+log = logging.getLogger(__name__)
 ACTIVITY_TOPICS = (TOPICS.sessions, TOPICS.completions, TOPICS.tool_spans, TOPICS.rewards)
+VIEW_EVERY_S = 5.0  # how often a consumer waiting for a batch takes (and writes) its view
+SAY_EVERY_S = 60.0  # how often it logs again that the same head still waits
 
 @dataclass(frozen=True)
 class SchedulerSettings:
@@ -72,6 +85,7 @@ class SchedulerSettings:
     max_staleness: int | None = None
     stale_action: Literal["drop", "keep"] = "keep"
     poll_s: float = 0.2
+    view_path: Path | None = None  # where to keep the view of what the window waits for (`status` reads it)
 
     @property
     def name(self) -> str:
@@ -168,6 +182,8 @@ class WindowedConsumer:
         self._records_of: dict[str, list[tuple[str, int, int]]] = {}
         self._active_ms: dict[str, int] = {}  # a queued group's latest event time known here
         self._reader = PartitionReader(settings.bootstrap)
+        self._viewed_ms = 0  # when the last view was taken
+        self._said: tuple[str | None, int] = (None, 0)  # the head last logged as waiting, and when
 
     def poll(self, timeout: float) -> bool:
         """Ingest at most one event; False when nothing arrived."""
@@ -194,6 +210,7 @@ class WindowedConsumer:
         while True:
             self._expire()
             self._core.window = self._window()
+            self._say()
             if self._source.caught_up and self._core.available() >= self.settings.batch_size:
                 batch = self._take(trainer_version, self.settings.batch_size)
                 if batch is not None:
@@ -230,7 +247,44 @@ class WindowedConsumer:
         """Commit each partition up to (not including) its first record whose group is not retired."""
         self._source.commit()
 
+    def view(self) -> dict:
+        """What the window waits for (forge_stream.scheduler.report), now: its head's sessions are looked up on
+        forge.sessions once it has waited `report.WAIT_SAY_S`."""
+        now = now_ms()
+        view = {"run": self.settings.run, "pid": os.getpid(), "updated_ms": now, "step": self.step,
+                "window": self._core.window, "queued": self._core.pending(), "held": len(self._samples), "head": None}
+        seq = self._core.frontier
+        if seq is None or seq not in self._tasks or not self._source.caught_up:
+            return view
+        task = self._tasks[seq].record
+        since = max(task["event_time"], self._tasks[seq].timestamp_ms)
+        waited_s = max(0.0, (now - since) / 1000)
+        sessions = group_sessions(self._reader, task["group_id"], since) if waited_s >= report.WAIT_SAY_S else None
+        view["head"] = {"group_id": task["group_id"], "task_id": task["task_id"], "seq": seq, "waited_s": waited_s,
+                        "group_size": task["group_size"], "sessions": sessions,
+                        "skip_at_ms": int(self._active_ms[task["group_id"]] + self.settings.group_timeout_s * 1000)}
+        return view
+
+    def _say(self) -> None:
+        """Every VIEW_EVERY_S: take the view, write it to `view_path`, and log a head that has waited long (once per
+        head, then every SAY_EVERY_S)."""
+        now = now_ms()
+        if now - self._viewed_ms < VIEW_EVERY_S * 1000:
+            return
+        self._viewed_ms = now
+        view = self.view()
+        head = view["head"]
+        if head is not None and head["waited_s"] >= report.WAIT_SAY_S:
+            said, at = self._said
+            if said != head["group_id"] or now - at >= SAY_EVERY_S * 1000:
+                log.info("waiting for a batch: %s", report.line(view, now))
+                self._said = (head["group_id"], now)
+        if self.settings.view_path is not None:
+            report.write_view(self.settings.view_path, view)
+
     def close(self) -> None:
+        if self.settings.view_path is not None:
+            self.settings.view_path.unlink(missing_ok=True)
         self._source.close()
         self._reader.close()
         self._producer.close()
@@ -366,6 +420,16 @@ def group_activity(reader: PartitionReader, group: str, since_ms: int) -> int:
         for _, written_ms, _, record in reader.read(topic, partition, start, end, key=group):
             latest = max(latest, written_ms, record["event_time"])
     return latest
+
+
+def group_sessions(reader: PartitionReader, group: str, since_ms: int) -> dict[str, int]:
+    """How many sessions of `group` started and finished on forge.sessions (its partition, from `since_ms` on)."""
+    partition = reader.partition_of(TOPICS.sessions, group)
+    start, end = reader.offset_at(TOPICS.sessions, partition, since_ms), reader.high(TOPICS.sessions, partition)
+    events = reader.read(TOPICS.sessions, partition, start, end, key=group)
+    started = {record["session_id"] for _, _, schema, record in events if schema == "SessionStarted"}
+    finished = {record["session_id"] for _, _, schema, record in events if schema == "SessionFinished"}
+    return {"started": len(started | finished), "finished": len(finished)}
 
 
 def step_record(run: str, step: int, batch: Batch, metrics: dict) -> dict:

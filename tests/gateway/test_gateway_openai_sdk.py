@@ -64,10 +64,13 @@ def _template(tokenizer, messages, tools=None):
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
-def test_sdk_chat_stream_and_n_through_the_local_engine(kafka_bootstrap, engine_gateway, tokenizer, run_id):
+def test_sdk_chat_stream_and_n_through_the_local_engine(kafka_bootstrap, engine_gateway, tokenizer, tiny_model_dir,
+                                                        run_id):
     session = open_session(engine_gateway, run_id)
     client = _client(session)
-    model = client.models.list().data[0].id
+    [card] = client.models.list().data
+    model = card.id
+    assert model == tiny_model_dir.name and str(tiny_model_dir) not in card.model_dump_json()  # no host path
     messages = [{"role": "user", "content": "Say something."}]
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0.0)
     both = client.chat.completions.create(model=model, messages=messages, max_tokens=8, n=2, seed=1)
@@ -75,6 +78,7 @@ def test_sdk_chat_stream_and_n_through_the_local_engine(kafka_bootstrap, engine_
     for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=10, stream=True):
         streamed_text += "".join(c.delta.content or "" for c in chunk.choices)
     with_tools = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=6)
+    assert {plain.model, both.model, with_tools.model} == {model}  # the served name, never the engine's directory
 
     records = _records(kafka_bootstrap, session["session_id"])
     assert [(r["turn"], r["choice_index"]) for r in records] == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)]

@@ -1,4 +1,5 @@
-"""The rollout controller on the real broker with a real gateway (scripted engine): slots, timing, failures."""
+"""The rollout controller on the real broker with a real gateway (scripted engine): slots, timing, failures, and
+groups in which no session ran (closed at once, rolled out again by the next run)."""
 
 import asyncio
 import time
@@ -6,6 +7,7 @@ import time
 import httpx
 from helpers import read_events, serving
 
+from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.rollout.agents import AgentResult
 from forge_stream.rollout.client import GatewayCallError, GatewayClient, RetryPolicy
@@ -143,8 +145,6 @@ def test_http_failures_are_retried_and_isolated(kafka_bootstrap, gateway, run_id
 
 
 def test_client_gives_up_after_its_tries_on_transport_errors():
-    from forge_stream.kafka.broker import free_port
-
     async def main():
         client = GatewayClient(f"http://127.0.0.1:{free_port()}", retry=RetryPolicy(attempts=3, backoff_s=0.05))
         try:
@@ -157,7 +157,7 @@ def test_client_gives_up_after_its_tries_on_transport_errors():
             await client.aclose()
 
     message, elapsed = asyncio.run(main())
-    assert "failed 3 times" in message and "ConnectError" in message
+    assert "failed 3 times" in message and "ConnectError" in message and "http://127.0.0.1:" in message
     assert elapsed >= 0.15  # backoff 0.05 + 0.1 between the tries
 
 
@@ -243,3 +243,57 @@ def test_replay_edge_must_be_a_share():
             assert "replay_edge" in str(exc)
         else:
             raise AssertionError(f"replay_edge={bad} was accepted")
+
+
+def published_by(bootstrap, name):
+    return read_events(bootstrap, TOPICS.tasks, lambda r: r["metadata"].get("controller") == name)
+
+
+def test_a_group_none_of_whose_sessions_opened_is_closed_at_once_and_rolled_out_again(kafka_bootstrap, gateway,
+                                                                                        run_id):
+    """A gateway gone away: each group is closed with a GroupSkipped naming the URL (the windowed FIFO retires it
+    at once), the run reports the one reason once; the next run of the same name rolls the same tasks out as new
+    groups, and the one after that finds them done."""
+    async def agent(ctx):
+        return AgentResult("42", True)
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    down = run_controller(RolloutSettings(nowhere, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST), agent,
+                          tasks(run_id, 2, 2))
+    assert down == {**down, "groups": 2, "sessions": 4, "failed_sessions": 4, "unopened_groups": 2}
+    [(reason, count)] = down["failures"].items()
+    assert count == 4 and reason.startswith(f"POST {nowhere}/v1/sessions failed 3 times; last: ConnectError")
+    first = {t["group_id"]: t for t in published_by(kafka_bootstrap, run_id)}
+    skips = read_events(kafka_bootstrap, TOPICS.samples, lambda r: r["group_id"] in first)
+    assert sorted(s["group_id"] for s in skips) == sorted(first)
+    for s in skips:
+        assert s["task_seq"] == first[s["group_id"]]["seq"]
+        assert s["reason"] == f"none of its 2 sessions opened: {reason}"
+
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST)
+    again = run_controller(settings, agent, tasks(run_id, 2, 2))
+    assert again == {**again, "groups": 2, "sessions": 4, "failed_sessions": 0, "skipped_groups": 0,
+                     "rerun_groups": 2, "mean_reward": 1.0, "failures": {}}
+    second = [t for t in published_by(kafka_bootstrap, run_id) if t["group_id"] not in first]
+    assert sorted(t["task_id"] for t in second) == sorted(t["task_id"] for t in first.values())
+    assert {t["metadata"]["again"] for t in second} == {"1"}
+
+    done = run_controller(settings, agent, tasks(run_id, 2, 2))
+    assert done == {**done, "groups": 0, "skipped_groups": 2, "rerun_groups": 0}
+    assert len(published_by(kafka_bootstrap, run_id)) == 4
+
+
+def test_tasks_whose_sessions_all_failed_are_rolled_out_again_by_the_next_run(kafka_bootstrap, gateway, run_id):
+    async def broken(ctx):
+        return AgentResult("", False, f"no key for the tool (session {ctx.session_id})")
+
+    async def fixed(ctx):
+        return AgentResult("42", True)
+
+    settings = RolloutSettings(gateway, kafka_bootstrap, name=run_id, concurrency=4, retry=FAST)
+    failed = run_controller(settings, broken, tasks(run_id, 2, 2))
+    assert failed == {**failed, "groups": 2, "failed_sessions": 4, "unopened_groups": 0,
+                      "failures": {"no key for the tool (session <session>)": 4}}
+    rerun = run_controller(settings, fixed, tasks(run_id, 2, 2))
+    assert rerun == {**rerun, "groups": 2, "sessions": 4, "failed_sessions": 0, "skipped_groups": 0,
+                     "rerun_groups": 2}

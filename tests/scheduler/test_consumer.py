@@ -398,3 +398,55 @@ def test_a_sample_claim_is_redeemed_when_handed_over_and_a_lost_payload_skips_it
     [letter] = letters_for(kafka_bootstrap, group_id(run_id, 1))
     assert "claimed TrainSample unavailable" in letter["error"] and consumer.skipped == [group_id(run_id, 1)]
     consumer.close()
+
+
+def test_a_window_that_waits_says_on_which_group_and_what_it_misses(kafka_bootstrap, run_id, tmp_path, monkeypatch,
+                                                                   caplog):
+    """The head has one session finished, one open, none more: the trainer's log and `status` (text and --json,
+    key `window`) name the group, what it misses and when it is skipped; the view goes once the consumer stops."""
+    from forge_stream.processors.synthetic import group_events
+    from forge_stream.scheduler import consumer as consumer_module, report
+
+    monkeypatch.setattr(report, "WAIT_SAY_S", 1.0)
+    monkeypatch.setattr(consumer_module, "VIEW_EVERY_S", 0.5)
+    home = tmp_path / "home"
+    view_path = report.view_file(home / "run", run_id)
+    settings = settings_for(kafka_bootstrap, run_id, batch_size=1, window=WindowSpec(count=1), view_path=view_path)
+    head = group_id(run_id, 0)
+    produce(kafka_bootstrap, [task(run_id, 0), task(run_id, 1)], [sample(run_id, 1)])
+    lifecycle = [(s, r) for s, r in group_events(head, group_size=2, start_ms=now_ms())
+                 if s == "SessionStarted" or (s == "SessionFinished" and r["session_id"].endswith("-s0"))]
+    producer = EventProducer(kafka_bootstrap)
+    for schema, record in lifecycle:
+        producer.produce(TOPICS.sessions, head, record, schema)
+    producer.close()
+
+    consumer = WindowedConsumer(settings)
+    with caplog.at_level("INFO", logger="forge_stream.scheduler.consumer"):
+        assert consumer.next_batch(0, wait_s=4) is None  # the head blocks the window (W=1)
+    said = [r.getMessage() for r in caplog.records if "waiting for a batch" in r.getMessage()]
+    assert said and f"waits on group {head} (task t0)" in said[-1], caplog.text
+    assert "missing its sample: 1 of its 2 sessions finished (1 open, 0 never opened)" in said[-1]
+    assert "1 finished groups wait behind it; the trainer skips it in" in said[-1]
+
+    env = {**os.environ, "FORGE_HOME": str(home)}
+    status = subprocess.run([sys.executable, "-m", "forge_stream", "status", "--json", "-b", kafka_bootstrap],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr[-3000:]
+    window = json.loads(status.stdout)["window"][run_id]
+    assert window["head"]["group_id"] == head and window["head"]["sessions"] == {"started": 2, "finished": 1}
+    assert window["trainer_running"] and window["held"] == 1 and window["head"]["skip_at_ms"] > now_ms()
+    text = subprocess.run([sys.executable, "-m", "forge_stream", "status", "-b", kafka_bootstrap], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert f"windowed FIFO of run {run_id}: the window (1 groups) waits on group {head}" in text.stdout, text.stdout
+    consumer.close()
+    assert not view_path.exists()
+
+
+def test_the_window_s_line_says_the_head_what_it_misses_and_when_it_is_skipped():
+    import doctest
+
+    from forge_stream.scheduler import report
+
+    result = doctest.testmod(report)
+    assert result.attempted >= 5 and result.failed == 0

@@ -58,7 +58,7 @@ def test_every_route_but_health_needs_the_engines_token(engine):
                                     {"path": str(checkpoints / "v000001"), "version": 9})):
             response = httpx.request(method, f"{url}{path}", json=body, headers=headers)
             assert response.status_code == 401, (path, headers, response.text)
-            assert response.json()["error"]["code"] == 401
+            assert response.json()["error"]["code"] is None
     assert httpx.get(f"{url}/health").json()["policy_version"] == 0  # nothing was loaded
     assert httpx.post(f"{url}/v1/chat/completions", json=HI, headers=_auth(TOKEN)).status_code == 200
 
