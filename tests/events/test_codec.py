@@ -17,6 +17,7 @@ PINNED = {
     ("forge.events.Completion", 4): "6a64a42787acd767e5121752a51f73e4f0de95c1c4d2cd0cfd65fb70679948cb",
     ("forge.events.Completion", 5): "2fda9fc3e44bfa513d88c7df854628d315cfacfa97623f490c183713decfab91",
     ("forge.events.Completion", 6): "1a056b1f1082d70ec4a3a85e90662b68f0870271fa2aa4efd52f8379fba872af",
+    ("forge.events.Completion", 7): "8ce6fa99cdb093c9bc91cc8123a157a4e6feeee24fa0e450cfdcdbbb6c49f3e3",
     ("forge.events.DeadLetter", 1): "9f26aa83e8eedaff91b8d9b5850fe1c340d16b71ebce0e902a4d3c5e6f338896",
     ("forge.events.EvalResult", 1): "2cd0d18a2b0464cc88fc29999e7e4542bbf9c2f3126ac0142e792dff1a08a8e0",
     ("forge.events.GroupSkipped", 1): "4485c2fcdfe18b99f425a68132167f4974464dbc6744f127994faf482b3fe5cc",
