@@ -69,3 +69,21 @@ def test_the_tier_service_passes_only_flags_lmcache_server_takes():
                                                max_workers=2), rt.target)
     for flag in (word for word in argv if word.startswith("--")):
         assert f"{flag} " in help_text or f"{flag}\n" in help_text, f"lmcache server takes no {flag}"
+
+
+def test_the_kv_caches_of_gone_engines_are_unlinked_and_live_ones_kept(tmp_path):
+    from forge_stream.kvtier import remove_orphaned_kv
+
+    gone = _a_dead_pid()
+    for name in (f"lmcache_kv_{gone}_0", f"lmcache_kv_{os.getpid()}_0", "lmcache_kv_x_0", "other_123_0"):
+        (tmp_path / name).write_bytes(b"kv")
+    assert remove_orphaned_kv(tmp_path) == [f"lmcache_kv_{gone}_0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"lmcache_kv_{os.getpid()}_0", "lmcache_kv_x_0", "other_123_0"])
+
+
+def _a_dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

@@ -110,7 +110,9 @@ def run(model_dir: str, sizes: tuple[int, ...] = SIZES, rounds: int = 3, progres
         runtime = ensure_runtime(ForgeSettings().cache_dir, echo=progress)
         server = _start_tier(runtime, tier, log_dir / "kv_tier.log")
         stack.callback(lambda: proc.stop(server[0], 10))
-        share = ("--vllm-arg=--gpu-memory-utilization=0.25",) if runtime.target == "gpu" else ()  # 3 on one GPU
+        # three engines on one GPU; on a CPU host 1 GiB of KV each (in shared memory, with the tier): 3 of 7K tokens
+        share = (("--vllm-arg=--gpu-memory-utilization=0.25",) if runtime.target == "gpu" else
+                 ("--kv-cache-gib", "1"))
         engines = [EngineProcess(model_dir, kind="vllm", log_path=log_dir / f"engine-{name}.log", extra_args=(
             "--kv-tier", tier.url, "--policy-version", str(version), "--max-model-len", str(max_len),
             "--served-model-name", "bench", "--no-probe", *share)) for name, version in (("a", 0), ("b", 0), ("c", 1))]

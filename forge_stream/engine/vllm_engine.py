@@ -78,6 +78,7 @@ from forge_stream.engine.vllm_state import (PRIVATE_PREFIX, SOCKET_PATH_MAX, Eng
                                             VllmEngineSettings, exit_engine, remove_folders, stop_vllm)
 from forge_stream.engine.vllm_sync import VllmControl, WorkerError
 from forge_stream.files import remove_orphaned
+from forge_stream.kvtier import remove_orphaned_kv
 from forge_stream.openai_error import error_body
 from forge_stream.proc import start_process
 from forge_stream.topics import TOPICS
@@ -188,6 +189,8 @@ def create_app(settings: VllmEngineSettings) -> FastAPI:
         settings.cache_dir.mkdir(parents=True, exist_ok=True)
         for prefix in (HOLDS_PREFIX, PRIVATE_PREFIX):
             remove_orphaned(settings.cache_dir, prefix)
+        if settings.kv_tier:
+            remove_orphaned_kv()  # of engines before this one, killed before they could
         state.holds = Path(tempfile.mkdtemp(prefix=f"{HOLDS_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
         state.private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=settings.cache_dir))
         os.chmod(state.private, 0o700)  # mkdtemp's mode already; said here, as it is what keeps vLLM private

@@ -23,7 +23,7 @@ from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.follower import FollowerStatus
 from forge_stream.engine.vllm_runtime import VllmRuntime
 from forge_stream.engine.vllm_sync import VllmControl
-from forge_stream.kvtier import cache_salt, connector_args
+from forge_stream.kvtier import cache_salt, connector_args, remove_orphaned_kv
 
 if TYPE_CHECKING:
     from forge_stream.lora import ResidentBase
@@ -244,7 +244,13 @@ def exit_engine(state: EngineState, reason: str) -> None:
 
 
 def remove_folders(state: EngineState) -> None:
-    """This engine's held checkpoints and vLLM's socket folder (the next engine removes them if it was killed)."""
+    """This engine's held checkpoints and vLLM's socket folder (the next engine removes them if it was killed), and
+    the shared-memory KV caches of vLLM processes that are gone (remove_orphaned_kv: the tier's connector leaves
+    them behind)."""
     shutil.rmtree(state.holds, ignore_errors=True)
     if state.private is not None:
         shutil.rmtree(state.private, ignore_errors=True)
+    if state.settings.kv_tier:
+        removed = remove_orphaned_kv()
+        if removed:
+            log.info("removed the shared-memory KV caches vLLM left behind: %s", ", ".join(removed))
