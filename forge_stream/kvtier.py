@@ -52,7 +52,7 @@ class TierSettings:
     def from_options(cls, opts: dict) -> "TierSettings":
         """The topology's `kv_tier:` keys (unknown ones refused, with the known ones named)."""
         known = {f for f in cls.__dataclass_fields__}
-        unknown = set(opts) - known - {"kind", "bind"}
+        unknown = set(opts) - known - {"kind", "bind", "start_timeout_s"}  # `up`'s, not the server's
         if unknown:
             raise ValueError(f"kv_tier: unknown keys {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         if opts.get("kind", "lmcache") != "lmcache":
