@@ -10,8 +10,8 @@ prefix from the tier, and the same next turn to C, which must not (another versi
   spilled turn costs without it, the tier's store included);
 - `hit_tokens` of `prompt_tokens` (B's, as the engine reports them; the tier holds whole chunks only);
 - `retrieve_mb_per_s`: the tier's own L1 -> engine throughput for B's retrieve (LMCache's histogram);
-- `logprob_diff`: the largest difference of B's and C's log-probs over a greedy continuation (tier against
-  recompute: the same numbers);
+- `logprob_diff`: the largest difference of B's and C's log-probs over a continuation sampled at T = 1 with one
+  seed, over the tokens both sampled alike (tier against recompute: the same numbers);
 - `stale_hits`: tokens C found in the tier over all sizes (KV of version 0 served at version 1; must be 0).
 
 Then the tier is killed (SIGKILL) with calls in flight on every engine: `failed_calls_on_tier_loss` counts those
@@ -39,16 +39,16 @@ from forge_stream.kvtier import TierSettings, server_argv, tier_status, transfer
 
 SIZES = (1024, 2048, 4096, 7168)
 NEW_TOKENS = 32  # what a next turn adds to the previous one's prompt
-CONTINUATION = 16  # greedy tokens compared between the tier's answer and the recomputed one
+CONTINUATION = 16  # sampled tokens whose log-probs are compared between the tier's answer and the recomputed one
 
 
 def _retrieve_gb_per_s(metrics: str) -> tuple[float, int]:
-    """(sum, count) of LMCache's L1 -> engine retrieve-throughput histogram."""
+    """(sum, count) of LMCache's L1 -> engine load-throughput histogram (GB/s, one observation a retrieve)."""
     total, count = 0.0, 0
     for line in metrics.splitlines():
-        if line.startswith("lmcache_mp_l1_l0_retrieve_throughput_GB_per_second_sum"):
+        if line.startswith("lmcache_mp_l0_l1_load_throughput_GB_per_second_sum"):
             total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("lmcache_mp_l1_l0_retrieve_throughput_GB_per_second_count"):
+        elif line.startswith("lmcache_mp_l0_l1_load_throughput_GB_per_second_count"):
             count += int(float(line.rsplit(" ", 1)[1]))
     return total, count
 
@@ -59,13 +59,14 @@ class _Engines:
         self.tier = tier
         self.client = httpx.Client(timeout=900)
 
-    def turn(self, engine: int, ids: list[int], greedy: int = 1) -> dict:
-        """One streamed completion of `ids` on `engine`: time to its first token, its log-probs, where its
-        prompt's KV came from (the front's `prompt_cache` is on unstreamed answers: asked once more, 1 token)."""
+    def turn(self, engine: int, ids: list[int], tokens: int = 1) -> dict:
+        """One streamed completion of `tokens` tokens of `ids` on `engine`, sampled at T = 1 with a fixed seed (so
+        its log-probs are the model's own, and two engines with the same logits sample the same tokens): time to
+        its first token, its log-probs and tokens, and vLLM's count of cached prompt tokens."""
         began = time.perf_counter()
         first, logprobs, tokens = None, [], []
         with self.client.stream("POST", f"{self.urls[engine]}/v1/completions", json={
-                "model": "bench", "prompt": ids, "max_tokens": greedy, "temperature": 0.0, "logprobs": 0,
+                "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 1.0, "seed": 1234, "logprobs": 0,
                 "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"{self.urls[engine]}: HTTP {response.status_code} {response.read()[:300]!r}")
@@ -154,9 +155,9 @@ def _one_size(bench: _Engines, size: int, seed: int, vocab: int) -> dict:
     bench.turn(0, ids)  # A computes it; the tier stores its whole chunks
     following = ids + _prompt(seed + 1, NEW_TOKENS, vocab)
     before = _retrieve_gb_per_s(httpx.get(f"{bench.tier.http_url}/metrics", timeout=10).text)
-    tiered = bench.turn(1, following, greedy=CONTINUATION)
+    tiered = bench.turn(1, following, tokens=CONTINUATION)
     after = _retrieve_gb_per_s(httpx.get(f"{bench.tier.http_url}/metrics", timeout=10).text)
-    recomputed = bench.turn(2, following, greedy=CONTINUATION)
+    recomputed = bench.turn(2, following, tokens=CONTINUATION)
     same = [abs(a - b) for a, b, x, y in zip(tiered["logprobs"], recomputed["logprobs"], tiered["tokens"],
                                              recomputed["tokens"]) if x == y]
     hit = tiered["cached_tokens"] or 0
