@@ -190,9 +190,11 @@ class CompletionPath:
 
     async def _send(self, group_id: str, method: str, path: str,
                     payload: bytes | None) -> tuple[aiohttp.ClientResponse, Engine]:
-        """Send to the group's engine (another one if it refuses connections or answers 503: down, or starting
-        again after a restart, it ran nothing of the request); the engine's in-flight count is raised, and the caller
-        lowers it (and releases the response) when the response is done. The last engine's 503 is the answer."""
+        """Send to the group's engine, or the next one if it gave no answer: it refused the connection, dropped it
+        before answering (a pooled connection to an engine that was killed), or answered 503 (starting again); the
+        engine's in-flight count is raised, and the caller lowers it (and releases the response) when the response is
+        done. The last engine's 503 is the answer. Nothing is recorded until an answer is whole, so a call moved on
+        is recorded once."""
         failures = []
         engines = self.pool.order(group_id)
         for i, engine in enumerate(engines):
@@ -200,9 +202,9 @@ class CompletionPath:
             try:
                 response = await self.http.request(method, engine.url + path, data=payload,
                                                    headers=_JSON if payload is not None else None)
-            except aiohttp.ClientConnectorError as exc:
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 engine.in_flight -= 1
-                failures.append(f"{engine.url}: {exc}")
+                failures.append(f"{engine.url}: {type(exc).__name__} {exc}")
                 continue
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 engine.in_flight -= 1

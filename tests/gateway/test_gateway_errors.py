@@ -102,6 +102,41 @@ def test_a_group_whose_engine_answers_503_is_served_by_another(make_gateway, scr
         _error(httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30), 503)
 
 
+def test_a_group_whose_engine_drops_the_connection_unanswered_is_served_by_another(make_gateway, scripted_url,
+                                                                                   kafka_bootstrap, run_id):
+    """An engine killed mid-run: what the gateway meets on the connection it kept to it is a drop, not a refusal."""
+    import socket
+    import threading
+
+    from forge_stream.gateway.engines import preference
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def drop_every_connection():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=drop_every_connection, daemon=True).start()
+    try:
+        engines = (f"http://127.0.0.1:{listener.getsockname()[1]}", scripted_url)
+        group = next(g for g in (f"{run_id}-{i}" for i in range(100)) if preference(g, list(engines))[0] == 0)
+        with make_gateway(engines=engines) as gateway:
+            session = open_session(gateway, group)
+            response = httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30)
+            assert response.status_code == 200, response.text
+        [record] = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["group_id"] == group)
+        assert record["engine_id"] == scripted_url
+    finally:
+        listener.close()
+
+
 def test_kafka_unreachable_at_session_start_is_503(make_gateway, scripted_url, run_id):
     with make_gateway(engines=(scripted_url,), bootstrap=f"127.0.0.1:{free_port()}", ack_timeout_ms=1500) as gw:
         response = httpx.post(f"{gw}/v1/sessions", json={"group_id": run_id, "task_id": "t"})

@@ -325,7 +325,8 @@ def test_the_tier_killed_mid_run_fails_no_call_and_is_back_after_its_restart(tie
     wait_for("engine 0 stores in the restarted tier",
              lambda: complete(tier, 0, again)["prompt_cache"] is not None
              and tier_status(tier)["kv_tier"]["stored_chunks"] >= 2, timeout=120, every=3)
-    assert complete(tier, 1, again)["prompt_cache"]["tier"] == 2 * CHUNK
+    wait_for("engine 1 reads from the restarted tier (each engine notices it within a heartbeat, then re-registers)",
+             lambda: complete(tier, 1, again)["prompt_cache"]["tier"] == 2 * CHUNK, timeout=120, every=3)
 
 
 def test_an_engine_killed_mid_run_hands_its_groups_to_the_other_which_reads_the_tier(tier):
