@@ -312,7 +312,8 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
         cpu_before = _cpu_by_service(cfg)
         rl_started, rl_started_ms = time.monotonic(), int(time.time() * 1000)
         from forge_stream import credentials
-        from forge_stream.deploy import controller_service, credentials_env
+        from forge_stream.builders import controller_service
+        from forge_stream.deploy import credentials_env
 
         controller = controller_service(cfg, {
             "tasks": s.training_source(seed), "agent": AGENT, "agent_workers": s.agent_workers,

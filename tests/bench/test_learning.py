@@ -233,7 +233,7 @@ def test_default_test_tasks_give_plus_minus_0_04():
 def test_settings_are_chosen_on_validation_and_replay_reaches_the_controller(tmp_path):
     """--eval-split validation evaluates on the validation split (the test split stays untouched while choosing
     settings); --replay-edge goes to the bench's rollout controller; bad values are refused before anything runs."""
-    from forge_stream.deploy import controller_service
+    from forge_stream.builders import controller_service
     from forge_stream.settings import ForgeSettings
 
     assert LearningSettings(eval_split="validation").test_source == "suite:validation"

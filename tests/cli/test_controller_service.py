@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from forge_stream.deploy import BUILDERS, load_topology
+from forge_stream.builders import BUILDERS
+from forge_stream.deploy import load_topology
 from forge_stream.settings import ForgeSettings
 from forge_stream.shipped import shipped
 

@@ -66,7 +66,7 @@ def test_the_server_environment(tmp_path, monkeypatch):
 def test_the_server_command_caches_prefixes_in_small_blocks_on_cpu_hosts(tmp_path):
     """vLLM's CPU default of 128-token KV blocks leaves up to 127 tokens of each agent turn's prompt uncached; the
     engine asks for 32 there (the least vLLM's CPU attention takes), and leaves GPU hosts at vLLM's own."""
-    from forge_stream.deploy import engine_service
+    from forge_stream.builders import engine_service
     from forge_stream.engine.vllm_state import VllmEngineSettings
     from forge_stream.engine.vllm_runtime import VllmRuntime
     from forge_stream.settings import ForgeSettings
