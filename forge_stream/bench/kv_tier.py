@@ -64,7 +64,7 @@ class _Engines:
         its log-probs are the model's own, and two engines with the same logits sample the same tokens): time to
         its first token, its log-probs and tokens, and vLLM's count of cached prompt tokens."""
         began = time.perf_counter()
-        first, logprobs, tokens = None, [], []
+        first, logprobs, sampled = None, [], []
         with self.client.stream("POST", f"{self.urls[engine]}/v1/completions", json={
                 "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 1.0, "seed": 1234, "logprobs": 0,
                 "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
@@ -79,10 +79,10 @@ class _Engines:
                     if first is None:
                         first = time.perf_counter() - began
                     logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
-                    tokens += choice.get("token_ids") or []
+                    sampled += choice.get("token_ids") or []
                 usage = chunk.get("usage") or usage
         details = (usage or {}).get("prompt_tokens_details") or {}
-        return {"ttft_s": first, "logprobs": logprobs, "tokens": tokens,
+        return {"ttft_s": first, "logprobs": logprobs, "tokens": sampled,
                 "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
 
 
