@@ -67,6 +67,7 @@ class _Engines:
         first, logprobs, sampled = None, [], []
         with self.client.stream("POST", f"{self.urls[engine]}/v1/completions", json={
                 "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 1.0, "seed": 1234, "logprobs": 0,
+                "ignore_eos": True,
                 "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"{self.urls[engine]}: HTTP {response.status_code} {response.read()[:300]!r}")
@@ -81,6 +82,8 @@ class _Engines:
                     logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
                     sampled += choice.get("token_ids") or []
                 usage = chunk.get("usage") or usage
+        if first is None:
+            raise RuntimeError(f"{self.urls[engine]}: a stream with no token in it (usage {usage})")
         details = (usage or {}).get("prompt_tokens_details") or {}
         return {"ttft_s": first, "logprobs": logprobs, "tokens": sampled,
                 "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
