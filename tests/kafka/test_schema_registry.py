@@ -26,9 +26,9 @@ def registry_url():
 def test_registry_answers_the_confluent_api(registry_url):
     subjects = httpx.get(registry_url + "/subjects").json()
     assert "forge.completions-value" in subjects and "forge.events.Completion" in subjects
-    assert httpx.get(registry_url + "/subjects/forge.events.Completion/versions").json() == [1, 2, 3, 4, 5, 6]
+    assert httpx.get(registry_url + "/subjects/forge.events.Completion/versions").json() == [1, 2, 3, 4, 5, 6, 7]
     latest = httpx.get(registry_url + "/subjects/forge.completions-value/versions/latest").json()
-    assert latest["id"] == default_registry().latest("Completion").id and latest["version"] == 6
+    assert latest["id"] == default_registry().latest("Completion").id and latest["version"] == 7
     missing = httpx.get(registry_url + "/subjects/nope/versions/latest")
     assert missing.status_code == 404 and missing.json()["error_code"] == 40401
     assert httpx.get(registry_url + "/schemas/ids/999").json()["error_code"] == 40403

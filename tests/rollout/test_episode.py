@@ -75,7 +75,7 @@ def test_the_published_task_keeps_the_reference_out_of_the_prompt():
 
     task = make_tasks("train", 1, seed=2, mix={"agent": 1.0})[0]
     controller = RolloutController(RolloutSettings("http://gateway", "unused:9092"), None, Producer())
-    asyncio.run(controller._submit(task, 0, 0, controller.ids(0, 0, task)))
+    asyncio.run(controller._submit(task, 0, 0, controller.ids(0, 0, task), again=0))
     [record] = Producer.records
     assert json.loads(record["prompt_json"]) == task.prompt and "answer" not in task.prompt
     assert json.loads(record["reference_json"]) == {"answer": task.reference["answer"]}
