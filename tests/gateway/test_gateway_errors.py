@@ -85,18 +85,23 @@ def _starting_engine():
     return Starlette(routes=[Route("/{path:path}", starting, methods=["GET", "POST"])])
 
 
-def test_a_group_whose_engine_answers_503_is_served_by_another(make_gateway, scripted_url, kafka_bootstrap, run_id):
+def _served_by_the_other(make_gateway, home: str, other: str, kafka_bootstrap: str, run_id: str) -> None:
+    """A call of a group whose home engine is `home` is answered, and recorded, by `other`."""
     from forge_stream.gateway.engines import preference
 
+    engines = (home, other)
+    group = next(g for g in (f"{run_id}-{i}" for i in range(100)) if preference(g, list(engines))[0] == 0)
+    with make_gateway(engines=engines) as gateway:
+        session = open_session(gateway, group)
+        response = httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30)
+        assert response.status_code == 200, response.text
+    [record] = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["group_id"] == group)
+    assert record["engine_id"] == other
+
+
+def test_a_group_whose_engine_answers_503_is_served_by_another(make_gateway, scripted_url, kafka_bootstrap, run_id):
     with serving(_starting_engine()) as starting:
-        engines = (starting, scripted_url)
-        group = next(g for g in (f"{run_id}-{i}" for i in range(100)) if preference(g, list(engines))[0] == 0)
-        with make_gateway(engines=engines) as gateway:
-            session = open_session(gateway, group)
-            response = httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30)
-            assert response.status_code == 200, response.text
-        [record] = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["group_id"] == group)
-        assert record["engine_id"] == scripted_url
+        _served_by_the_other(make_gateway, starting, scripted_url, kafka_bootstrap, run_id)
     with serving(_starting_engine()) as starting, make_gateway(engines=(starting,)) as gateway:
         session = open_session(gateway, run_id)  # no other engine: its 503 is the answer
         _error(httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30), 503)
@@ -107,8 +112,6 @@ def test_a_group_whose_engine_drops_the_connection_unanswered_is_served_by_anoth
     """An engine killed mid-run: what the gateway meets on the connection it kept to it is a drop, not a refusal."""
     import socket
     import threading
-
-    from forge_stream.gateway.engines import preference
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -125,14 +128,8 @@ def test_a_group_whose_engine_drops_the_connection_unanswered_is_served_by_anoth
 
     threading.Thread(target=drop_every_connection, daemon=True).start()
     try:
-        engines = (f"http://127.0.0.1:{listener.getsockname()[1]}", scripted_url)
-        group = next(g for g in (f"{run_id}-{i}" for i in range(100)) if preference(g, list(engines))[0] == 0)
-        with make_gateway(engines=engines) as gateway:
-            session = open_session(gateway, group)
-            response = httpx.post(f"{session['base_url']}/chat/completions", json=HI, timeout=30)
-            assert response.status_code == 200, response.text
-        [record] = read_events(kafka_bootstrap, TOPICS.completions, lambda r: r["group_id"] == group)
-        assert record["engine_id"] == scripted_url
+        _served_by_the_other(make_gateway, f"http://127.0.0.1:{listener.getsockname()[1]}", scripted_url,
+                             kafka_bootstrap, run_id)
     finally:
         listener.close()
 
