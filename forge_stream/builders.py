@@ -135,7 +135,8 @@ def processors_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
 
 
 TRAINER_OPTIONS = ("model", "run", "checkpoint_dir", "batch_size", "window", "rollout_slots", "lr", "loss",
-                   "eps_low", "eps_high", "clip_ratio_c", "group_timeout", "max_staleness", "stale_action", "token_budget",
+                   "eps_low", "eps_high", "clip_ratio_c", "group_timeout", "max_staleness", "stale_action",
+                   "token_budget",
                    "updates_per_batch", "wait_s", "from_now", "nproc", "fsdp", "nnodes", "node_rank", "master_addr",
                    "lora_rank", "lora_alpha")
 

@@ -1,8 +1,8 @@
 """Deployments: what `forge-stream up` starts for a topology (`topologies/<name>.yaml`) and in which order.
 
 A topology names the broker (embedded or external) and the services to run. Each service name maps to a
-builder (forge_stream.builders) that turns the settings into a `ServiceSpec` (a real process). `up` is idempotent: what already runs
-is left alone.
+builder (forge_stream.builders) that turns the settings into a `ServiceSpec` (a real process). `up` is idempotent:
+what already runs is left alone.
 
 A topology may span hosts (topologies/cluster.yaml): `kafka.bootstrap_servers` names an external cluster, and a
 service's `hosts:` lists where it runs (one instance per host; a trainer with `nnodes` > 1 is one torchrun node
