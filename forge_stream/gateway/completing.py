@@ -190,13 +190,10 @@ class CompletionPath:
 
     async def _send(self, group_id: str, method: str, path: str,
                     payload: bytes | None) -> tuple[aiohttp.ClientResponse, Engine]:
-        """Send to the group's engine, or the next one if it gave no answer: it refused the connection, dropped it
-        before answering (a pooled connection to an engine that was killed), or answered 503 (starting again); the
-        engine's in-flight count is raised, and the caller lowers it (and releases the response) when the response is
-        done. The last engine's 503 is the answer. Nothing is recorded until an answer is whole, so a call moved on
-        is recorded once."""
-        failures = []
-        engines = self.pool.order(group_id)
+        """Send to the group's engine, or the next if it gave no answer (refused or dropped the connection, or said
+        503: starting again; nothing is recorded before an answer is whole); the engine's in-flight count is raised
+        and the caller lowers it (and releases the response) when done. The last engine's 503 is the answer."""
+        failures, engines = [], self.pool.order(group_id)
         for i, engine in enumerate(engines):
             engine.in_flight += 1
             try:
@@ -363,10 +360,9 @@ class CompletionPath:
         data = engine_json(content)
         choices = chat_choices(data) if kind == "chat" else completion_choices(data, n)
         try:
-            one_prompt = all(c.prompt_index == 0 for c in choices)  # usage counts a batch's prompts together
             await self._record(session, ctx, choices, engine, data.get("model") or body.get("model") or "",
-                               data.get("policy_version"), None, done, spans,
-                               data.get("prompt_cache") if one_prompt else None)
+                               data.get("policy_version"), None, done, spans,  # (usage sums a batch's prompts)
+                               data.get("prompt_cache") if all(c.prompt_index == 0 for c in choices) else None)
         except BaseException:
             session.restore(taken)
             raise
