@@ -380,7 +380,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             progress(f"{tag}   services restarted by the supervisor during the run: {restarts} (their logs in "
                      f"{cfg.run_dir} say why)")
         return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
-                "engines": s.engines, "kv_tier": s.kv_tier, "prompt_sources": prompt_sources(answered),
+                "engines": s.engines, "kv_tier": s.kv_tier, "prompt_sources": prompt_sources([e.record for e in answered]),
                 "switch_s": switch, "service_restarts": restarts,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
@@ -398,10 +398,15 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             local_broker(cfg).stop()
 
 
-def prompt_sources(completions) -> dict:
+def prompt_sources(records: list[dict]) -> dict:
     """Where the prompt tokens of the RL phase's completions came from: computed, the engine's own prefix cache,
-    the shared KV tier (summed over the completions that say; the tier's share of those prompt tokens)."""
-    known = [e.record for e in completions if e.record.get("prompt_tokens_computed") is not None]
+    the shared KV tier (summed over the completions that say; the tier's share of those prompt tokens).
+
+    >>> prompt_sources([{"prompt_tokens_computed": 40, "prompt_tokens_engine_cache": 32, "prompt_tokens_tier": 128},
+    ...                 {"prompt_tokens_computed": None}])
+    {'computed': 40, 'engine_cache': 32, 'tier': 128, 'completions': 1, 'tier_share': 0.64, 'cached_share': 0.8}
+    """
+    known = [r for r in records if r.get("prompt_tokens_computed") is not None]
     totals = {key: sum(r[f"prompt_tokens_{key}"] for r in known) for key in ("computed", "engine_cache", "tier")}
     whole = sum(totals.values())
     return {**totals, "completions": len(known), "tier_share": round(totals["tier"] / whole, 4) if whole else None,
