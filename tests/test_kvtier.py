@@ -87,3 +87,14 @@ def _a_dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
+
+
+@pytest.mark.parametrize("module", ["forge_stream.kvtier", "forge_stream.engine.vllm_engine",
+                                    "forge_stream.engine.vllm_state", "forge_stream.bench.learning"])
+def test_doctests_hold(module):
+    """The salt, the tier's counters, the engine's `prompt_cache` and a run's `prompt_sources`, by example."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
