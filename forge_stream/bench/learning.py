@@ -371,8 +371,9 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             progress(f"{tag}   {describe_kinds(summary['by_kind'])}")
         rollouts = summary["rollouts_trained"]
         submitted = _submitted_groups(cfg.bootstrap, run_id)
-        answered = read_slice(cfg.bootstrap, TOPICS.completions, Slice(start_ms=rl_started_ms, end_ms=stopped_ms))
-        sync = sync_summary(_policy_versions(cfg.bootstrap, run_id), [e.record for e in answered])
+        answered = [e.record for e in read_slice(cfg.bootstrap, TOPICS.completions,
+                                                 Slice(start_ms=rl_started_ms, end_ms=stopped_ms))]
+        sync = sync_summary(_policy_versions(cfg.bootstrap, run_id), answered)
         switch = engine_loads.pop("switch_s", None)
         progress(f"{tag}   policy sync: {sync}, switch_s {switch}")
         restarts = service_restarts(cfg)
@@ -380,7 +381,7 @@ def run_seed(s: LearningSettings, seed: int, home: Path, warm: dict,
             progress(f"{tag}   services restarted by the supervisor during the run: {restarts} (their logs in "
                      f"{cfg.run_dir} say why)")
         return {**summary, "engine": s.engine, "engine_loads": engine_loads, "lora_rank": s.lora_rank, **sync,
-                "engines": s.engines, "kv_tier": s.kv_tier, "prompt_sources": prompt_sources([e.record for e in answered]),
+                "engines": s.engines, "kv_tier": s.kv_tier, "prompt_sources": prompt_sources(answered),
                 "switch_s": switch, "service_restarts": restarts,
                 **({"engine_load_interval": s.engine_load_interval} if s.engine == "vllm" else {}),
                 "groups_submitted": len(submitted),
