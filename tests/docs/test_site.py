@@ -1,6 +1,6 @@
 """The documentation site as `mkdocs build --strict` makes it (.ci/run builds it too): the Mermaid diagrams render
 with no internet access, because the site serves Mermaid itself and the theme only fetches it from a CDN when the page
-has not defined it."""
+has not defined it; no page links a font (or anything else) on another host."""
 
 import re
 import shutil
@@ -37,6 +37,18 @@ def test_pages_with_diagrams_load_the_sites_own_mermaid(site):
         assert ((site / (relative.parent if relative.name == "index" else relative)) / mermaid[0]).resolve().is_file()
     served = (site / "javascripts" / "mermaid.min.js").read_text()
     assert 'globalThis["mermaid"]' in served  # what the theme looks for before it reaches for unpkg.com
+
+
+def test_no_page_reaches_for_another_host(site):
+    """Material's default links Google Fonts from every page: with `font: false` the pages use the system's fonts, and
+    no stylesheet, script or font is fetched from anywhere but the site itself."""
+    pages = list(site.rglob("*.html"))
+    assert len(pages) > 10
+    for page in pages:
+        html = page.read_text()
+        assert "fonts.googleapis.com" not in html and "fonts.gstatic.com" not in html, page
+        fetched = re.findall(r'<(?:link|script)[^>]+(?:href|src)="((?:https?:)?//[^"]+)"', html)
+        assert not fetched, (page, fetched)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node checks the script's syntax")
