@@ -64,6 +64,21 @@ def _template(tokenizer, messages, tools=None):
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
+def test_a_call_naming_any_model_or_none_is_answered_by_the_served_policy(engine_gateway, tiny_model_dir, run_id):
+    """`model` routes nothing: the session's policy answers. OpenAI's API refuses a call without it; the gateway
+    answers it (docs/guides/agents.md says so), and every answer names the served model, never a host path."""
+    import httpx
+
+    url = open_session(engine_gateway, run_id)["base_url"]
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for body in (hi, {**hi, "model": "gpt-4o"}):
+        answer = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == tiny_model_dir.name
+    answer = httpx.post(f"{url}/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["model"] == tiny_model_dir.name, answer.text
+
+
 def test_sdk_chat_stream_and_n_through_the_local_engine(kafka_bootstrap, engine_gateway, tokenizer, tiny_model_dir,
                                                         run_id):
     session = open_session(engine_gateway, run_id)
