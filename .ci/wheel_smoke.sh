@@ -49,8 +49,13 @@ assert ROOT == site / "forge_stream" / "_data", ROOT
 for name in ("schemas/registry.json", "examples/agents/tool_agent.py", "examples/tasks_arith.jsonl"):
     assert shipped(name).is_file(), name
 assert {p.name for p in INFRA_DIR.iterdir()} >= {"pom.xml", "server.properties.template", "log4j2.yaml"}
+from forge_stream.balancer import CONFIG_TEMPLATE, render
+assert CONFIG_TEMPLATE.resolve().is_relative_to(site), CONFIG_TEMPLATE  # `gateway balance` reads the wheel's
+(Path.cwd() / "haproxy.cfg").write_text(render(["127.0.0.1:18001", "127.0.0.1:18002"], port=18000))
 print(f"the wheel's packages in {site}; {len(load_registry().by_id)} schemas; nothing from the checkout")
 EOF
+# the load balancer's config as `gateway balance` renders it from the wheel: HAProxy accepts it
+"$(command -v haproxy || echo /usr/sbin/haproxy)" -c -f haproxy.cfg
 
 free_port() { python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 for port in KAFKA_PORT KAFKA_CONTROLLER_PORT REGISTRY_PORT ENGINE_PORT GATEWAY_PORT; do

@@ -13,7 +13,11 @@ import shutil
 from pathlib import Path
 from string import Template
 
-CONFIG_TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "haproxy" / "gateway.cfg"
+from forge_stream.shipped import shipped
+
+CONFIG_TEMPLATE = shipped("infra/haproxy/gateway.cfg")
+
+
 class _Placeholders(Template):
     """The config's placeholders are `@@name` (HAProxy's own syntax uses `$` and `%`)."""
 

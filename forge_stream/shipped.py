@@ -1,7 +1,7 @@
 """The files forge-stream reads at run time besides its modules, found the same way in a checkout and in a wheel.
 
 They live at the repository's top level: the Avro schemas (`schemas/`), the local broker's Maven project and
-configuration (`infra/kafka/`), and the example agents and tasks (`examples/`: the tour, the `learn` topology and
+configuration (`infra/kafka/`), the gateway hosts' HAProxy configuration (`infra/haproxy/`), and the example agents and tasks (`examples/`: the tour, the `learn` topology and
 the learning benchmark run `examples/agents/tool_agent.py`). A wheel carries the same files under
 `forge_stream/_data/` (pyproject.toml's `[tool.hatch.build.targets.wheel.sources]`); a checkout, or an editable
 install of one, has no `_data/` and reads them in place. The topologies' YAML ships inside the `topologies` package,

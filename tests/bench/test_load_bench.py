@@ -4,7 +4,6 @@ left running (nothing). (Shedding and memory under load are tests/gateway/test_g
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import sys
 import pytest
 
 from forge_stream.bench.load import descendants, still_running
+
+from helpers import needs_haproxy
 
 pytestmark = pytest.mark.kafka
 
@@ -69,8 +70,7 @@ def test_a_process_left_running_is_counted_until_it_ends():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
-                    reason="haproxy is not installed (apt-get install -y haproxy): --hosts 2 runs the gateways behind it")
+@needs_haproxy("--hosts 2 runs the gateways behind it")
 def test_bench_load_across_two_hosts_behind_haproxy_loses_nothing_when_one_is_killed(kafka_bootstrap):
     out = subprocess.run(
         [sys.executable, "-m", "forge_stream", "bench", "load", "--agents", "12", "--seconds", "8", "--workers", "2",

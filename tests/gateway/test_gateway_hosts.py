@@ -24,10 +24,9 @@ from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.proc import running
 from forge_stream.topics import TOPICS
 
-pytestmark = [pytest.mark.kafka, pytest.mark.skipif(
-    shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
-    reason="haproxy is not installed (apt-get install -y haproxy; .ci/run installs it): this test runs two gateway "
-           "hosts behind it")]
+from helpers import needs_haproxy
+
+pytestmark = [pytest.mark.kafka, needs_haproxy("this test runs two gateway hosts behind it")]
 
 SESSIONS = 24
 TURNS = 6  # answered chat calls per session; the first is a burst of two parallel calls for every third session
