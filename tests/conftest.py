@@ -52,9 +52,11 @@ def early_starts(request):
 
 
 @pytest.fixture(autouse=True)
-def _test_started():
-    """When this test began (helpers.since_this_test), taken before its other function-scoped fixtures run."""
+def _test_started(request):
+    """When this test began (helpers.since_this_test), taken before its other function-scoped fixtures run; and
+    where the session is, for the starts of tests/early.py."""
     helpers.TEST_STARTED_MS[0] = int(time.time() * 1000) - 1000
+    EARLY.reached(request.node.nodeid)
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ Each thing is declared where it is used, at import (so before the session starts
 `EARLY.declare(name, wanted, prepare, stop)`. `wanted(item)` says whether a selected test needs it; `prepare(get)`
 runs at the session's start in the main thread (`get` gives session fixtures: the broker, tmp_path_factory, ...) and
 returns the slow part. The slow parts run in one background thread, one after another in the order of their first
-users, so that at most one start competes with the tests for the cores; one may wait for an earlier one's result
+users, so that at most one start competes with the tests for the cores, each once the session is LEAD tests short of
+its first user (a vLLM engine started with the session sat idle through 50 minutes of other tests holding 3 GB, and
+was the process the kernel's OOM killer took when the suite's memory ran short); one may wait for an earlier one's result
 (`EARLY.result`: the SmolLM2 import before the vLLM server on it). The fixture that owns the thing calls
 `EARLY.take(name, get)`: it waits for that start and raises what it raised, or, where nothing was begun (the test was
 not selected when the session started), runs both parts itself. From then on the fixture owns it and stops it when
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 Get = Callable[[str], Any]
+LEAD = 60  # tests before its first user that a start begins: a few minutes of the suite, more than a vLLM start
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Early:
         self._declared: dict[str, _Declared] = {}
         self._starts: dict[str, _Start] = {}
         self._ending = threading.Event()
+        self._index: dict[str, int] = {}  # a selected test's node id -> its place in the session
+        self._reached = threading.Condition()
+        self._at = 0  # the place of the test running now
 
     def declare(self, name: str, wanted: Callable[[Any], bool], prepare: Callable[[Get], Callable[[], Any]],
                 stop: Callable[[Any], None] | None = None) -> None:
@@ -56,16 +62,25 @@ class Early:
         first = {name: next((i for i, item in enumerate(items) if d.wanted(item)), None)
                  for name, d in self._declared.items()}
         begun = sorted((name for name, i in first.items() if i is not None), key=lambda name: first[name])
+        self._index = {getattr(item, "nodeid", str(i)): i for i, item in enumerate(items)}
         queue = []
         for name in begun:
             self._starts[name] = _Start()
-            queue.append((self._starts[name], self._declared[name].prepare(get)))
+            queue.append((self._starts[name], self._declared[name].prepare(get), max(0, first[name] - LEAD)))
         if queue:
             threading.Thread(target=self._run, args=(queue,), name="early-starts", daemon=True).start()
         return begun
 
-    def _run(self, queue: list[tuple[_Start, Callable[[], Any]]]) -> None:
-        for start, slow in queue:
+    def reached(self, nodeid: str) -> None:
+        """The session runs this test now (tests/conftest.py calls it as each test starts)."""
+        with self._reached:
+            self._at = max(self._at, self._index.get(nodeid, 0))
+            self._reached.notify_all()
+
+    def _run(self, queue: list[tuple[_Start, Callable[[], Any], int]]) -> None:
+        for start, slow, at in queue:
+            with self._reached:
+                self._reached.wait_for(lambda: self._at >= at or self._ending.is_set() or start.taken)
             try:
                 if self._ending.is_set():
                     raise RuntimeError("the session ended before this start")
@@ -90,12 +105,16 @@ class Early:
         """`name`'s value, from then on the caller's to stop: the early start's, or one made now."""
         if name not in self._starts:
             return self._declared[name].prepare(get)()
-        self._starts[name].taken = True
+        with self._reached:
+            self._starts[name].taken = True
+            self._reached.notify_all()
         return self.result(name)
 
     def end(self) -> None:
         """Stop what was started and never taken (its tests were skipped, or the session stopped before them)."""
-        self._ending.set()
+        with self._reached:
+            self._ending.set()
+            self._reached.notify_all()
         for name, start in self._starts.items():
             start.done.wait()
             stop = self._declared[name].stop

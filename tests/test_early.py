@@ -3,11 +3,12 @@ in the order of their first users, and its fixture gets it (or the start's error
 is not started, what no fixture took is stopped at `end`, and a fixture whose start was not begun makes its own."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from early import Early
+from early import LEAD, Early
 
 
 def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = False) -> None:
@@ -47,3 +48,27 @@ def test_a_start_that_failed_fails_the_test_that_takes_it_and_nothing_is_stopped
         early.take("broken", {"where": "fixture"}.get)
     early.end()
     assert stopped == []
+
+
+def test_a_start_begins_when_the_session_is_lead_tests_short_of_its_first_user():
+    """Not with the session: an engine started then sits idle (holding its memory) through every test before it."""
+    early, made, stopped = Early(), [], []
+    _declare(early, "late", made, stopped)
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=["late"] if i == LEAD + 30 else []) for i in range(LEAD + 31)]
+    early.begin(items, {"where": "session"}.get)
+    early.reached("t0")
+    early.reached("t29")
+    time.sleep(0.3)
+    assert made == []  # 31 tests short of it
+    early.reached("t30")
+    assert early.take("late", {"where": "fixture"}.get) == "LATE" and made[0][0] == "late"
+    early.end()
+
+
+def test_a_fixture_taking_a_start_before_its_lead_begins_it_at_once():
+    early, made, stopped = Early(), [], []
+    _declare(early, "wanted", made, stopped)
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=["wanted"] if i == LEAD * 2 else []) for i in range(LEAD * 3)]
+    early.begin(items, {"where": "session"}.get)
+    assert early.take("wanted", {"where": "fixture"}.get) == "WANTED"  # a test run alone with -k, say
+    early.end()

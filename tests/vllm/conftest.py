@@ -10,9 +10,11 @@ until the engine serves it.
 from __future__ import annotations
 
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import pytest
 
 from forge_stream.engine.process import EngineProcess
@@ -43,9 +45,29 @@ EARLY.declare("vllm_engine", lambda item: "vllm_engine" in item.fixturenames, _s
               stop=lambda started: started[0].stop())
 
 
+def _gone(process: EngineProcess, engine: VllmEngine) -> str | None:
+    """Why the engine no longer serves, or None while it answers /health: its exit status and its log's tail."""
+    try:
+        if httpx.get(f"{engine.url}/health", timeout=10).status_code == 200:
+            return None
+    except httpx.HTTPError as exc:
+        reason = f"/health: {type(exc).__name__}"
+    else:
+        reason = "/health is not 200"
+    code = process._proc.poll() if process._proc is not None else None
+    tail = engine.log.read_text(errors="replace")[-2000:] if engine.log.exists() else "(no log)"
+    return f"{reason}; the front's exit status {code} (-9: SIGKILL, the OOM killer's); its log ends:\n{tail}"
+
+
 @pytest.fixture(scope="package")
 def vllm_engine(request) -> VllmEngine:
     process, engine = EARLY.take("vllm_engine", request.getfixturevalue)
+    gone = _gone(process, engine)
+    if gone is not None:  # said, then started again: the tests are about vLLM, not about one process surviving
+        warnings.warn(f"the vLLM engine started for this package is gone before its first test ({gone}); "
+                      "starting another")
+        process.stop()
+        process, engine = _started(request.getfixturevalue)()
     try:
         yield engine
     finally:
