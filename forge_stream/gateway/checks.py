@@ -1,7 +1,10 @@
 """Checks of what an agent sends, before it reaches an engine or Kafka: identifiers (`check_id`) and OpenAI requests
 (`check_request`), each failure a 4xx whose message says what to change. `tool_choice`, `parallel_tool_calls` and
 `response_format` are forwarded as sent (every engine enforces them: vLLM itself, the local engine with
-grammar-constrained decoding); values no engine can enforce are a 400 naming the parameter."""
+grammar-constrained decoding); values no engine can enforce are a 400 naming the parameter. So is a sampling
+parameter that would change the distribution the engine samples from beyond what each Completion records
+(`temperature` and `top_p`): the trainer scores every token under the recorded settings, and a `top_k` or a penalty it
+never saw would train it on a distribution no engine sampled (`UNRECORDED`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,14 @@ from forge_stream.gateway.recording import Kind
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.openai_protocol import structured_output_error
 
+# sampling parameters of OpenAI's API and vLLM's extensions that reshape the distribution, and the values that leave
+# it as it is (absent, or these): anything else is refused, since no Completion records it
+UNRECORDED = {
+    "top_k": (-1, 0), "min_p": (0,), "typical_p": (1,), "repetition_penalty": (1,), "frequency_penalty": (0,),
+    "presence_penalty": (0,), "logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (),
+    "logits_processors": ([],), "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "vllm_xargs": (),
+}
 SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]*")  # one URL path segment, never "." or ".."
 
 
@@ -109,4 +120,25 @@ def check_request(kind: Kind, body, limits: GatewaySettings) -> int:
         raise invalid("'top_p' must be greater than 0 and at most 1.", "top_p")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise invalid("'stream' must be a boolean.", "stream")
+    _check_unrecorded(body)
     return n
+
+
+def _check_unrecorded(body: dict) -> None:
+    """A 400 naming the first sampling parameter set to a value that reshapes the distribution (UNRECORDED).
+
+    >>> _check_unrecorded({"top_k": -1, "presence_penalty": 0.0, "logit_bias": {}, "min_p": None})
+    >>> _check_unrecorded({"top_k": 20})
+    Traceback (most recent call last):
+    ...
+    forge_stream.gateway.protocol.GatewayError: 'top_k' (20) changes the distribution the engine samples from, ...
+    """
+    for name, neutral in UNRECORDED.items():
+        value = body.get(name)
+        if value is None or (not isinstance(value, bool) and value in neutral):
+            continue
+        keep = f"leave it out or set it to {' or '.join(map(repr, neutral))}" if neutral else "leave it out"
+        raise GatewayError(400, f"'{name}' ({value!r}) changes the distribution the engine samples from, and no "
+                                f"Completion records it, so the trainer would score the tokens under another policy "
+                                f"than the one that sampled them: {keep}. temperature and top_p are recorded and "
+                                f"trained on as sampled.", "invalid_request_error", name)

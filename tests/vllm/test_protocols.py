@@ -107,6 +107,25 @@ def test_a_bad_request_gets_vllms_openai_error(vllm_engine, vllm_gateway, run_id
     assert direct.status_code == 400 and "not JSON" in direct.json()["error"]["message"]
 
 
+def test_a_sampling_parameter_no_completion_records_is_refused_naming_it(vllm_engine, vllm_gateway, run_id):
+    """vLLM applies top_k, min_p, the penalties, logit_bias and min_tokens; a Completion records temperature and top_p
+    only, which the trainer scores at. So the gateway refuses the others (at a value that reshapes the distribution)
+    before vLLM samples anything, and nothing is recorded; at their neutral values they pass."""
+    session = open_session(vllm_gateway, run_id)
+    url = session["base_url"] + "/chat/completions"
+    base = {"model": "x", "messages": ASK, "max_tokens": 4, "temperature": 0.7}
+    for name, value in (("top_k", 20), ("min_p", 0.1), ("repetition_penalty", 1.3), ("frequency_penalty", 0.5),
+                        ("presence_penalty", -0.5), ("logit_bias", {"11": 5}), ("min_tokens", 3)):
+        refused = httpx.post(url, json={**base, name: value}, timeout=60)
+        assert refused.status_code == 400, (name, refused.text)
+        error = refused.json()["error"]
+        assert error["param"] == name and error["type"] == "invalid_request_error" and name in error["message"]
+    answered = httpx.post(url, json={**base, "top_k": -1, "presence_penalty": 0, "logit_bias": {}}, timeout=60)
+    assert answered.status_code == 200, answered.text
+    records = read_completions(vllm_engine.bootstrap, keep=lambda r: r["session_id"] == session["session_id"])
+    assert len(records) == 1 and records[0]["temperature"] == 0.7
+
+
 FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "rain": {"type": "boolean"}},
             "required": ["unit", "rain"]}
 
