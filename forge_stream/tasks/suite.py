@@ -30,6 +30,14 @@ docs/learning/graders.md.
 - mental: "What is 34 + 58?" (difficulty d: two (d + 1)-digit numbers), answered directly: SmolLM2 gets 2-8% of them
   right, too few groups with a signal to learn from (kept for comparison).
 
+Two families make a pretrained model act (the `tools` mix, MIXES): only a tool call the model writes itself, with the
+right arguments, leads to the answer. Both offer both tools with the suite's system prompt, and the chat template
+shows the call format; a session is the call, the tool's result and the reply. Graded by the last number.
+
+- calc: "What is 4821 * 3907?" (difficulty d: (d + 3)-digit operands): the calculator's result is the answer.
+- table: "What is stored under gold-heron?": the value (four digits) sits in the task's own table of 3 + d keys,
+  which only the `lookup` tool reads.
+
 The agent gets what it needs to act (`TaskSpec.prompt`): the `question`, and for lookup the `store` its tool reads.
 The `answer` is the grader's alone (`TaskSpec.reference`). The grader of every family of the default mix is `numbers`: the
 numbers of the reply, in order, must be exactly the answer's, so a reply that names other numbers too (an echo of the
@@ -153,11 +161,39 @@ def copy(rng: random.Random, difficulty: int) -> dict:
 
 
 COPY_DIGITS = 3  # copy's operands at difficulty 1: four digits each, a seven- or eight-digit product
+
+
+def calc(rng: random.Random, difficulty: int) -> dict:
+    """A product of two (difficulty + 3)-digit numbers, with both tools offered and no call made for the model: it
+    has to call the calculator itself (no small model multiplies four-digit numbers in its head), read the result
+    and answer it. The acting twin of copy, where the scaffold makes the call."""
+    digits = max(1, difficulty) + 3
+    a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
+    return {"question": f"What is {a} * {b}?", "answer": str(a * b)}
+
+
+TABLE_KEYS = tuple(f"{colour}-{bird}" for colour in ("red", "blue", "green", "grey", "gold", "pink", "black", "white")
+                   for bird in KEYS)
+
+
+def table(rng: random.Random, difficulty: int) -> dict:
+    """A table of 3 + difficulty keys (a colour and a bird: "gold-heron") with distinct four-digit values, which only
+    the `lookup` tool reads; the question names one key. Both tools offered; the model has to call lookup with the
+    key as asked, read the value and answer it. A call with another key returns another value, never the answer."""
+    keys = rng.sample(TABLE_KEYS, 3 + max(1, difficulty))
+    store = dict(zip(keys, map(str, rng.sample(range(1000, 10000), len(keys)))))
+    key = rng.choice(keys)
+    return {"question": f"What is stored under {key}?", "answer": store[key], "store": store}
+
+
 FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reasoning, "agent": agent,
                                                             "lookup": lookup, "mental": mental, "times": times,
-                                                            "copy": copy}
-GRADERS = {"mental": "numeric", "times": "numeric", "copy": "numeric"}  # a family's grader when it is not `numbers`
+                                                            "copy": copy, "calc": calc, "table": table}
+GRADERS = {"mental": "numeric", "times": "numeric", "copy": "numeric", "calc": "numeric",
+           "table": "numeric"}  # a family's grader when it is not `numbers`
 PRETRAINED_MIX = "times=1,copy=1"  # bench learning --model's default: the families a pretrained chat model starts on
+MIXES = {"tools": "calc=1,table=1",  # the acting families: only a call the model makes itself succeeds
+         "pretrained": PRETRAINED_MIX, "default": ",".join(f"{d}=1" for d in DOMAINS)}
 
 
 NUMBER = re.compile(r"-?\d+")
@@ -174,8 +210,8 @@ def template_key(domain: str, task: dict) -> str:
     >>> template_key("lookup", {"question": "What is stored under tern?", "answer": "532"})
     'lookup:tern=532'
     """
-    if domain == "lookup":
-        return f"lookup:{lookup_key(task['question'])}={task['answer']}"
+    if domain in ("lookup", "table"):
+        return f"{domain}:{lookup_key(task['question'])}={task['answer']}"
     return f"{domain}:{','.join(sorted(NUMBER.findall(task['question']), key=int))}"
 
 
@@ -192,12 +228,12 @@ def task_kind(domain: str, task: dict) -> str:
     >>> task_kind("reasoning", {"question": "Order 8, 3, 1 and 6 from largest to smallest."})
     'reasoning:1,3,6,8'
     """
-    if domain == "lookup":
-        return f"lookup:{lookup_key(task['question'])}"
+    if domain in ("lookup", "table"):
+        return f"{domain}:{lookup_key(task['question'])}"
     if domain == "agent":
         operator = next(op for op in "+-*" if f" {op} " in task["question"])
         return f"agent:{operator}{len(task['answer'].lstrip('-'))}"
-    if domain in ("times", "copy", "mental"):
+    if domain in ("times", "copy", "mental", "calc"):
         return f"{domain}:{len(task['answer'])}"
     return template_key(domain, task)
 
@@ -245,13 +281,19 @@ def make_tasks(split: str, n: int, seed: int = 0, mix: dict[str, float] | None =
 
 
 def parse_mix(text: str | None) -> dict[str, float] | None:
-    """'reasoning=1,agent=2' -> {'reasoning': 1.0, 'agent': 2.0}; None or '' -> every domain equally.
+    """'reasoning=1,agent=2' -> {'reasoning': 1.0, 'agent': 2.0}, or a named mix (MIXES: `tools`, `pretrained`,
+    `default`); None or '' -> every domain equally.
 
     >>> parse_mix("agent=2,lookup=1")
     {'agent': 2.0, 'lookup': 1.0}
+    >>> parse_mix("tools")
+    {'calc': 1.0, 'table': 1.0}
     """
     if not text:
         return None
+    text = MIXES.get(text.strip(), text)
+    if "=" not in text:
+        raise ValueError(f"a mix is DOMAIN=WEIGHT,... or one of {', '.join(MIXES)}, not {text!r}")
     return {name.strip(): float(weight) for name, weight in (part.split("=") for part in text.split(","))}
 
 

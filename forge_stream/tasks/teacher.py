@@ -31,11 +31,11 @@ def demonstration(task: dict, domain: str) -> list[dict]:
     for call in task.get("calls") or []:  # the scaffold's own calls (copy): the calculator's result is the answer
         messages += [_call(call["name"], call["arguments"]),
                      {"role": "tool", "tool_call_id": "call_0", "content": task["answer"]}]
-    if domain == "agent":
+    if domain in ("agent", "calc"):
         expression = task["question"].removeprefix("What is ").removesuffix("?")
         messages += [_call("calculator", {"expression": expression}),
                      {"role": "tool", "tool_call_id": "call_0", "content": task["answer"]}]
-    elif domain == "lookup":
+    elif domain in ("lookup", "table"):
         key = lookup_key(task["question"])
         messages += [_call("lookup", {"key": key}),
                      {"role": "tool", "tool_call_id": "call_0", "content": task["store"][key]}]
