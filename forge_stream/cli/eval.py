@@ -53,8 +53,8 @@ def eval_command(
     from forge_stream.cli.rollout import make_agent
     from forge_stream.events import now_ms
     from forge_stream.kafka.producer import EventProducer
-    from forge_stream.rollout.evaluate import (EvalSettings, eval_records, latest_policy, recorded_versions,
-                                               run_eval, score)
+    from forge_stream.rollout.evaluate import (EvalSettings, acting, eval_records, latest_policy,
+                                               recorded_completions, recorded_versions, run_eval, score)
     from forge_stream.topics import TOPICS
 
     source = task_source(tasks)
@@ -80,7 +80,9 @@ def eval_command(
                 await runner.aclose()
 
     outcomes = asyncio.run(main())
-    versions = recorded_versions(cfg.bootstrap, {o.session_id for o in outcomes}, started)
+    completions = recorded_completions(cfg.bootstrap, {o.session_id for o in outcomes}, started)
+    versions = recorded_versions(completions)
+    acted = acting(outcomes, completions)
     if policy_version is not None and set(versions) - {policy_version}:
         typer.echo(f"Completions came from policy versions {sorted(versions)}, not only {policy_version}: "
                    "nothing published.", err=True)
@@ -96,12 +98,14 @@ def eval_command(
         producer.close()
     if as_json:
         typer.echo(json.dumps({"eval_id": spec.eval_id, "run": run, "policy_version": version,
-                               "domains": [vars(s) for s in scores],
+                               "domains": [vars(s) for s in scores], "acting": acted,
                                "outcomes": [{"task_id": o.task_id, "domain": o.domain, "ok": o.ok,
                                              "reward": o.reward if o.ok and o.reward is not None else 0.0}
                                             for o in outcomes]}))
         return
     typer.echo(f"eval {spec.eval_id} of run {run!r}, policy version {version}")
     for s in scores:
+        a = acted[s.domain]
         typer.echo(f"  {s.domain:<12} {s.mean:.3f}  95% CI [{s.low:.3f}, {s.high:.3f}]  "
-                   f"{s.episodes} episodes, {s.failed} failed")
+                   f"{s.episodes} episodes, {s.failed} failed; tool calls in {a['tool_call_rate']:.0%} of sessions "
+                   f"({a['valid_call_rate']:.0%} of them valid), {a['mean_turns']:.1f} turns a session")

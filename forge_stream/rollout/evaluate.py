@@ -10,11 +10,15 @@ The policy version evaluated is read from the Completions the gateway recorded f
 If the engine switched weights mid-eval, the oldest version is reported and all are listed in the metadata. With
 no completion recorded (every agent failed before asking), it falls back to the run's latest PolicyVersion on
 forge.policy, else 0 (the initial weights).
+
+The same Completions say how each session acted (`acting`): whether the model wrote a tool call, whether every call
+it wrote parsed into a call of an offered tool with a JSON object of arguments, and how many turns it took.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -136,11 +140,63 @@ async def run_eval(settings: EvalSettings, agent: Agent, tasks: Iterable[TaskSpe
         await client.aclose()
 
 
-def recorded_versions(bootstrap: str, session_ids: set[str], since_ms: int) -> Counter:
-    """Policy versions of the Completions recorded for `session_ids` (forge.completions from `since_ms`)."""
-    return Counter(e.record["policy_version"] for e in read_slice(bootstrap, TOPICS.completions,
-                                                                   Slice(start_ms=since_ms))
-                   if e.record["session_id"] in session_ids)
+def recorded_completions(bootstrap: str, session_ids: set[str], since_ms: int) -> list[dict]:
+    """The Completions recorded for `session_ids` (forge.completions from `since_ms`)."""
+    return [e.record for e in read_slice(bootstrap, TOPICS.completions, Slice(start_ms=since_ms))
+            if e.record["session_id"] in session_ids]
+
+
+def recorded_versions(completions: list[dict]) -> Counter:
+    """How many of the Completions each policy version produced."""
+    return Counter(c["policy_version"] for c in completions)
+
+
+def _valid_calls(completion: dict) -> bool:
+    """Every tool call of the completion parsed, names a tool the request offered, and has a JSON object of
+    arguments."""
+    if completion.get("tool_call_error"):
+        return False
+    offered = {t.get("function", t).get("name") for t in json.loads(completion.get("tools_json") or "[]")}
+    for call in json.loads(completion.get("tool_calls_json") or "[]"):
+        function = call.get("function") or {}
+        try:
+            arguments = function.get("arguments") or "{}"
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            return False
+        if function.get("name") not in offered or not isinstance(arguments, dict):
+            return False
+    return True
+
+
+def acting(outcomes: list[SessionOutcome], completions: list[dict]) -> dict[str, dict]:
+    """Per domain, then "all": `tool_call_rate` (the share of sessions in which the model wrote a tool call, parsed
+    or not), `valid_call_rate` (of those, the share whose every call parsed into a call of an offered tool with JSON
+    object arguments) and `mean_turns` (the model's completions per session).
+
+    >>> outcomes = [SessionOutcome("s1", "t1", "calc", 1.0, True), SessionOutcome("s2", "t2", "calc", 0.0, True)]
+    >>> tools = json.dumps([{"type": "function", "function": {"name": "calculator"}}])
+    >>> call = json.dumps([{"function": {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}}])
+    >>> completions = [{"session_id": "s1", "tools_json": tools, "tool_calls_json": call},
+    ...                {"session_id": "s1", "tools_json": tools}, {"session_id": "s2", "tools_json": tools}]
+    >>> acting(outcomes, completions)["calc"]
+    {'sessions': 2, 'tool_call_rate': 0.5, 'valid_call_rate': 1.0, 'mean_turns': 1.5}
+    """
+    by_session: dict[str, list[dict]] = {}
+    for completion in completions:
+        by_session.setdefault(completion["session_id"], []).append(completion)
+    by_domain: dict[str, list[SessionOutcome]] = {}
+    for outcome in outcomes:
+        by_domain.setdefault(outcome.domain, []).append(outcome)
+    rates = {}
+    for domain, group in [*sorted(by_domain.items()), ("all", outcomes)]:
+        turns = [by_session.get(o.session_id, []) for o in group]
+        called = [t for t in turns if any(c.get("tool_calls_json") or c.get("tool_call_error") for c in t)]
+        valid = [t for t in called if all(_valid_calls(c) for c in t)]
+        rates[domain] = {"sessions": len(group), "tool_call_rate": len(called) / len(group) if group else 0.0,
+                         "valid_call_rate": len(valid) / len(called) if called else 0.0,
+                         "mean_turns": sum(map(len, turns)) / len(group) if group else 0.0}
+    return rates
 
 
 def latest_policy(bootstrap: str, run: str) -> int:

@@ -20,7 +20,7 @@ AGENT = f"{sys.executable} {REPO / 'examples' / 'agents' / 'tool_agent.py'} --se
 
 def test_doctests():
     result = doctest.testmod(evaluate)
-    assert result.attempted >= 4 and result.failed == 0
+    assert result.attempted >= 5 and result.failed == 0
 
 
 def test_score_counts_failures_as_zero_and_adds_all():
@@ -56,6 +56,10 @@ def test_eval_publishes_results_per_domain_and_no_task(kafka_bootstrap, gateway,
     by_task = {o["task_id"]: o["reward"] for o in printed["outcomes"]}  # every episode's score, for paired tests
     assert by_task == {**{f"{run_id}-a{i}": 1.0 for i in range(4)},
                        **{f"{run_id}-r{i}": 1.0 if i < 2 else 0.0 for i in range(4)}}
+    # the scripted engine calls the calculator (a parsed call of an offered tool), then answers: two turns a session
+    assert printed["acting"]["all"] == {"sessions": 8, "tool_call_rate": 1.0, "valid_call_rate": 1.0,
+                                        "mean_turns": 2.0}
+    assert set(printed["acting"]) == {"agent", "reasoning", "all"}
 
     results = {r["domain"]: r for r in read_events(kafka_bootstrap, TOPICS.evals, lambda r: r["eval_id"] == run_id)}
     assert set(results) == {"agent", "reasoning", "all"}
