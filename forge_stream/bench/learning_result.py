@@ -22,8 +22,15 @@ KIND_MIN_TASKS = 5  # footholds are kinds of at least this many evaluated tasks
 def describe(result: dict) -> str:
     by = {d["domain"]: d for d in result["domains"]}
     whole = by.pop("all")
+    acted = result.get("acting") or {}
+
+    def family(name: str, d: dict) -> str:
+        a = acted.get(name)
+        calls = f", calls {a['tool_call_rate']:.2f} valid {a['valid_call_rate']:.2f}" if a else ""
+        return f"{name} {d['mean']:.2f}{calls}"
+
     return (f"{whole['mean']:.3f} [{whole['low']:.3f}, {whole['high']:.3f}] ("
-            + ", ".join(f"{name} {d['mean']:.2f}" for name, d in sorted(by.items())) + ")")
+            + "; ".join(family(name, d) for name, d in sorted(by.items())) + ")")
 
 
 def describe_kinds(held: dict) -> str:
@@ -141,6 +148,8 @@ def seed_result(s: LearningSettings, seed: int, warm: dict, baseline: dict, fina
         "baseline_ci": [base["low"], base["high"]], "final_ci": [end["low"], end["high"]],
         "baseline_by_domain": {d["domain"]: d["mean"] for d in baseline["domains"] if d["domain"] != "all"},
         "final_by_domain": {d["domain"]: d["mean"] for d in final["domains"] if d["domain"] != "all"},
+        # per family, before and after: the share of sessions with a tool call, the share of those all valid, turns
+        "baseline_acting": baseline.get("acting"), "final_acting": final.get("acting"),
         "rl_minutes": round(rl_minutes, 2), "steps": len(steps), "groups_trained": sum(st["groups"] for st in steps),
         "groups_without_signal": sum(st.get("groups_without_signal", 0) for st in steps),
         "rollouts_trained": sum(st["rollouts"] for st in steps), "final_policy_version": served,

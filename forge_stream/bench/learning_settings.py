@@ -38,6 +38,9 @@ class LearningSettings:
     sft_balanced: bool = True  # half of each batch from the families short of sft_family_target
     sft_examples: int = 600
     sft_lr: float = 3e-3
+    sft_batch_size: int = 16  # demonstrations per SFT step
+    sft_check_every: int = 25  # SFT steps between two measurements of its criterion
+    sft_check_examples: int = 128  # validation demonstrations the criterion is measured on
     hidden_size: int = 128  # the tiny model's width and depth (`model init --hidden-size --layers`)
     layers: int = 2
     band: tuple[float, float] = (0.1, 0.5)  # held-out reward a warm start must land in before RL starts
@@ -46,7 +49,8 @@ class LearningSettings:
     bootstrap: str | None = None  # an external cluster; default: each seed's own broker
     home: Path | None = None  # default: a fresh temporary directory, removed afterwards
     plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
-    model: str | None = None  # a pretrained model (directory or known name) to start from instead of a warm start
+    model: str | None = None  # a pretrained model (directory or known name) to start from instead of the tiny model
+    pretrained_sft: bool = False  # with `model`: warm-start it with SFT on the mix's demonstrations first
     eval_split: str = "test"  # "validation" to choose settings: the test split is for reporting only
     temperature: float | None = None  # what the agent samples at, training and evaluation alike (None: its default, 1)
 
@@ -68,7 +72,7 @@ class LearningSettings:
         >>> LearningSettings().training_source(2)
         'suite:train?seed=2&mix=reasoning=1,agent=1,lookup=1&skip=600'
         """
-        skip = 0 if self.model else self.sft_examples
+        skip = 0 if self.model and not self.pretrained_sft else self.sft_examples
         return f"suite:train?seed={seed}&mix={self.mix}" + (f"&skip={skip}" if skip else "") + self._sampling()
 
     def _sampling(self, first: str = "&") -> str:

@@ -298,7 +298,15 @@ def learning(
                                                  "still short of --sft-family-target, so an easy one keeps room to "
                                                  "improve."),
     sft_examples: int = typer.Option(600, help="Distinct training tasks the warm start is shown."),
-    sft_lr: float = typer.Option(3e-3, help="Warm-start SFT learning rate."),
+    sft_lr: Optional[float] = typer.Option(None, help="Warm-start SFT learning rate (default: 3e-3; with --model, "
+                                                      "3e-5)."),
+    sft_batch_size: Optional[int] = typer.Option(None, help="Demonstrations per warm-start SFT step (default: 16; "
+                                                            "with --model, 8)."),
+    sft_check_every: Optional[int] = typer.Option(None, help="Warm-start SFT steps between two measurements of its "
+                                                             "criterion (default: 25; with --model, 10)."),
+    warm_start: Optional[str] = typer.Option(None, help="The warm start: sft (SFT on the mix's demonstrations of the "
+                                                        "train split) or none; the tiny model always has one, a "
+                                                        "pretrained --model none by default."),
     hidden_size: int = typer.Option(128, help="The tiny model's width (model init --hidden-size)."),
     layers: int = typer.Option(2, min=1, help="The tiny model's decoder layers (model init --layers)."),
     band: Tuple[float, float] = typer.Option((0.1, 0.5), help="Held-out reward (SFT's criterion, then the test "
@@ -323,6 +331,13 @@ def learning(
     test_tasks = test_tasks if test_tasks is not None else (400 if model else 600)
     mix = mix or (PRETRAINED_MIX if model else "reasoning=1,agent=1,lookup=1")
     temperature = temperature if temperature is not None else (0.7 if model else None)
+    warm_start = warm_start or ("none" if model else "sft")
+    if warm_start not in ("sft", "none") or warm_start == "none" and not model:
+        typer.echo("--warm-start takes sft, or none with a pretrained --model", err=True)
+        raise typer.Exit(2)
+    sft_lr = sft_lr if sft_lr is not None else (3e-5 if model else 3e-3)
+    sft_batch_size = sft_batch_size if sft_batch_size is not None else (8 if model else 16)
+    sft_check_every = sft_check_every if sft_check_every is not None else (10 if model else 25)
     lr = lr if lr is not None else (1e-5 if model else 1e-4) * (10 if lora_rank else 1)
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
     if engine_load_interval is None:
@@ -359,7 +374,9 @@ def learning(
                                 sft_target=sft_target,
                                 sft_family_target=None if sft_family_target < 0 else sft_family_target,
                                 sft_balanced=sft_balanced,
-                                sft_examples=sft_examples, sft_lr=sft_lr, hidden_size=hidden_size, layers=layers,
+                                sft_examples=sft_examples, sft_lr=sft_lr, sft_batch_size=sft_batch_size,
+                                sft_check_every=sft_check_every, pretrained_sft=bool(model) and warm_start == "sft",
+                                hidden_size=hidden_size, layers=layers,
                                 band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
                                 bootstrap=bootstrap_servers, home=home, plot=plot, model=model,

@@ -155,6 +155,40 @@ def test_a_pretrained_model_starts_without_sft_on_vllm_and_its_own_family(monkey
     assert seen["settings"].engine_load_interval == 0.0  # the torch engine loads each version in a fraction of a second
 
 
+def test_a_pretrained_model_with_warm_start_sft_is_fine_tuned_on_the_mix_first(monkeypatch, tmp_path):
+    """--model --warm-start sft --mix tools: SFT of the pretrained model itself on the acting families'
+    demonstrations (at a pretrained model's learning rate), RL from what it saved, and RL's stream past the tasks it
+    was shown; the test evaluation is of the acting families too."""
+    seen, calls = {}, []
+
+    def run_seed(s, seed, home, warm_start, progress):
+        seen.update(settings=s, warm=warm_start)
+        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
+
+    def cli(*args, env):
+        calls.append(args)
+        return {**warm(0.25), "by_family": {"calc": 0.3, "table": 0.2}, "curve": []}
+
+    monkeypatch.setattr(learning, "run_seed", run_seed)
+    monkeypatch.setattr(learning, "_cli", cli)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = CliRunner().invoke(app, ["bench", "learning", "--model", str(model), "--warm-start", "sft", "--mix",
+                                      "tools", "--home", str(tmp_path / "h"), "--json"])
+    assert result.exit_code == 0, result.output
+    [sft] = calls
+    options = {name: sft[i + 1] for i, name in enumerate(sft[:-1]) if name.startswith("--") and name != "--balanced"}
+    assert sft[0] == "sft" and options["--model"] == str(model) and options["--mix"] == "tools"
+    assert (options["--lr"], options["--batch-size"], options["--check-every"]) == ("3e-05", "8", "10")
+    s = seen["settings"]
+    assert seen["warm"]["model_dir"] == str(tmp_path / "h" / "seed0" / "warm") and seen["warm"]["pretrained"]
+    assert s.training_source(0) == "suite:train?seed=0&mix=tools&skip=600&temperature=0.7"
+    assert {t.domain for t in itertools.islice(load_task_source(s.test_source), 20)} == {"calc", "table"}
+    refused = CliRunner().invoke(app, ["bench", "learning", "--warm-start", "none"])
+    assert refused.exit_code == 2 and "--warm-start" in refused.output
+
+
 def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
     """SFT demonstrates the first `sft_examples` tasks of the seed's training stream (same seed and mix); RL's
     stream is that stream from the next task on, so none of its tasks is one the warm start memorized."""
