@@ -161,6 +161,8 @@ def copy(rng: random.Random, difficulty: int) -> dict:
 
 
 COPY_DIGITS = 3  # copy's operands at difficulty 1: four digits each, a seven- or eight-digit product
+DEFAULT_MAX_TOKENS = 32  # a turn's limit, unless the family or the stream sets one
+ACTING_MAX_TOKENS = 64  # a turn of calc or table: SmolLM2's calculator call is 39 tokens with its end of turn
 
 
 def calc(rng: random.Random, difficulty: int) -> dict:
@@ -169,7 +171,7 @@ def calc(rng: random.Random, difficulty: int) -> dict:
     and answer it. The acting twin of copy, where the scaffold makes the call."""
     digits = max(1, difficulty) + 3
     a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
-    return {"question": f"What is {a} * {b}?", "answer": str(a * b)}
+    return {"question": f"What is {a} * {b}?", "answer": str(a * b), "max_tokens": ACTING_MAX_TOKENS}
 
 
 TABLE_KEYS = tuple(f"{colour}-{bird}" for colour in ("red", "blue", "green", "grey", "gold", "pink", "black", "white")
@@ -183,7 +185,8 @@ def table(rng: random.Random, difficulty: int) -> dict:
     keys = rng.sample(TABLE_KEYS, 3 + max(1, difficulty))
     store = dict(zip(keys, map(str, rng.sample(range(1000, 10000), len(keys)))))
     key = rng.choice(keys)
-    return {"question": f"What is stored under {key}?", "answer": store[key], "store": store}
+    return {"question": f"What is stored under {key}?", "answer": store[key], "store": store,
+            "max_tokens": ACTING_MAX_TOKENS}
 
 
 FAMILIES: dict[str, Callable[[random.Random, int], dict]] = {"reasoning": reasoning, "agent": agent,
@@ -254,9 +257,11 @@ def _mix(mix: dict[str, float] | None) -> tuple[list[str], list[float]]:
 
 
 def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, difficulty: int = 1,
-               group_size: int = 8, max_tokens: int = 32, temperature: float | None = None) -> Iterator[TaskSpec]:
+               group_size: int = 8, max_tokens: int | None = None,
+               temperature: float | None = None) -> Iterator[TaskSpec]:
     """An endless seeded stream of tasks of one split ('train', 'validation' or 'test'; 'heldout' is 'test'), domains
-    drawn by `mix` weights. `temperature`: what the agent samples at (the example agent's default is 1)."""
+    drawn by `mix` weights. `max_tokens`: a turn's limit (default: the family's own, else 32); `temperature`: what the
+    agent samples at (the example agent's default is 1)."""
     split = ALIASES.get(split, split)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)} (or heldout, the test split), not {split!r}")
@@ -269,7 +274,9 @@ def iter_tasks(split: str, seed: int = 0, mix: dict[str, float] | None = None, d
             if split_of(domain, instance) == split:
                 break
         answer = instance.pop("answer")
-        sampling = {"max_tokens": max_tokens, **({} if temperature is None else {"temperature": temperature})}
+        limit = max_tokens if max_tokens is not None else instance.pop("max_tokens", DEFAULT_MAX_TOKENS)
+        instance.pop("max_tokens", None)
+        sampling = {"max_tokens": limit, **({} if temperature is None else {"temperature": temperature})}
         yield TaskSpec(task_id=f"{split}-{seed}-{index}", prompt={**instance, **sampling},
                        domain=domain, grader=GRADERS.get(domain, "numbers"), group_size=group_size,
                        metadata={"difficulty": str(difficulty), "split": split}, reference={"answer": answer})
