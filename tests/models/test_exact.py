@@ -331,24 +331,28 @@ def test_a_tool_call_the_model_writes_goes_through_the_pipeline_exactly(acting_s
                                                   "tool_agent.py")
     agent = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(agent)
-    tried = []
-    for task in make_tasks("validation", 8, seed=5, mix={"table": 1.0}):
-        group_id = f"acting-{uuid.uuid4().hex[:8]}"
+    def session_of(group_id: str, task, reward: float) -> tuple[dict, list[dict]]:
+        """One session of the agent on `task` in `group_id`, rewarded `reward`; its recorded completions by turn."""
         opened = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id, "task_id": task.task_id})
         assert opened.status_code == 201, opened.text
         session = opened.json()
-        client = OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
-        output = agent.solve(client, {**task.prompt, "temperature": 0.7, "max_tokens": 48})
-        for path, body in (("reward", {"value": float(output.strip() == task.graded["answer"])}),
-                           ("finish", {"status": "ok"})):
+        agent.solve(OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0),
+                    {**task.prompt, "temperature": 0.7, "max_tokens": 48})
+        for path, body in (("reward", {"value": reward}), ("finish", {"status": "ok"})):
             assert httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/{path}", json=body).status_code == 200
-        records = sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] == session["session_id"]),
-                         key=lambda r: r["turn"])
+        return session, sorted(read_completions(kafka_bootstrap, keep=lambda r: r["session_id"] ==
+                                                session["session_id"]), key=lambda r: r["turn"])
+
+    tried = []
+    for task in make_tasks("validation", 8, seed=5, mix={"table": 1.0}):
+        group_id = f"acting-{uuid.uuid4().hex[:8]}"
+        session, records = session_of(group_id, task, 1.0)
         tried.append([r["output_text"] or r["tool_calls_json"] for r in records])
         if len(records) == 2 and records[0]["tool_calls_json"] and not records[1]["tool_calls_json"]:
             break
     else:
         pytest.fail(f"no session of a call and an answer in 8: {tried}")
+    _, other = session_of(group_id, task, 0.0)  # the group's second rollout: a reward to compare with
 
     [call] = __import__("json").loads(records[0]["tool_calls_json"])
     assert call["function"]["name"] == "lookup" and records[0]["tool_call_error"] is None
@@ -358,12 +362,12 @@ def test_a_tool_call_the_model_writes_goes_through_the_pipeline_exactly(acting_s
     assert span["result"] == agent.run_tool(task.prompt, "lookup", call["function"]["arguments"])
     assert all(r["policy_version"] == version for r in records)
 
-    sample = folded_train_sample(kafka_bootstrap, group_id, 1)
+    sample = folded_train_sample(kafka_bootstrap, group_id, 2)
     model = AutoModelForCausalLM.from_pretrained(acting_smollm2, dtype=torch.float32)
     stats, _ = trainer_gaps(model, sample)
-    sampled = sum(len(r["completion_token_ids"]) for r in records)
+    sampled = sum(len(r["completion_token_ids"]) for r in records + other)
     print(f"\n{engine.kind}: a call and an answer after {len(tried)} session(s) ({records[0]['tool_calls_json']}; "
-          f"{records[1]['output_text']!r}); {stats['tokens']} sampled tokens of both turns: max |trainer - recorded| "
-          f"{stats['mismatch_max']:.1e} nats")
-    assert stats["tokens"] == sampled and len(sample["sequences"]) == 2
-    assert stats["mismatch_max"] <= 1e-3
+          f"{records[1]['output_text']!r}); {stats['tokens']} sampled tokens of the group's {len(records + other)} "
+          f"turns: max |trainer - recorded| {stats['mismatch_max']:.1e} nats")
+    assert len(sample["sequences"]) == len(records + other)  # every assistant turn, in one prefix tree
+    assert stats["tokens"] == sampled and stats["mismatch_max"] <= 1e-3
