@@ -180,8 +180,8 @@ def test_a_pretrained_model_with_warm_start_sft_is_fine_tuned_on_the_mix_first(m
     [sft] = calls
     options = {name: sft[i + 1] for i, name in enumerate(sft[:-1]) if name.startswith("--") and name != "--balanced"}
     assert sft[0] == "sft" and options["--model"] == str(model) and options["--mix"] == "tools"
-    assert (options["--lr"], options["--batch-size"], options["--check-every"]) == ("1e-05", "8", "2")
-    assert (options["--target"], options["--family-target"]) == ("0.05", "0.02")
+    assert (options["--lr"], options["--batch-size"], options["--check-every"]) == ("1e-05", "8", "1")
+    assert (options["--target"], options["--family-target"]) == ("0.02", "0.01")
     s = seen["settings"]
     assert seen["warm"]["model_dir"] == str(tmp_path / "h" / "seed0" / "warm") and seen["warm"]["pretrained"]
     assert s.training_source(0) == "suite:train?seed=0&mix=tools&skip=600&temperature=0.7"
