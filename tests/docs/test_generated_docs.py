@@ -99,3 +99,9 @@ def test_every_benchmark_page_leads_with_its_current_result():
         table = page[page.index(f"<!-- generated: results {result['benchmark']} -->"):]
         row = next(line for line in table.splitlines() if f"(results/{result['file']})" in line)
         assert "**current**" in row and len(row.split(" | ")) == 4  # four columns: run, what ran, result, target
+
+
+def test_the_readme_keeps_to_250_lines():
+    """The README is a user's first page: what it does and how to use it; the rest is on the documentation site."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail to docs/"
