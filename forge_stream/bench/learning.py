@@ -175,38 +175,18 @@ def check_band(what: str, value: float, band: tuple[float, float]) -> str | None
             f"before RL: {_advice(value, band)}")
 
 
-def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[str], None] = print) -> dict:
-    """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary. With a
-    pretrained `model`: that model, as it is."""
-    env = {**os.environ, "FORGE_HOME": str(home)}
-    if s.model:
-        from forge_stream.model_import import resolve_model
+SFT_KEYS = ("steps", "max_steps", "target", "family_target", "balanced", "reached", "predicted_reward", "by_family",
+            "heldout_nll", "heldout_examples", "examples", "final_loss", "seconds", "curve")
 
-        model_dir = resolve_model(s.model, ForgeSettings().cache_dir, progress)
-        if not s.pretrained_sft:
-            progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
-            return {"pretrained": s.model, "model_dir": str(model_dir)}
-        progress(f"[seed {seed}] warm start of {s.model}: SFT on {s.sft_examples} demonstrations of {s.mix} (the "
-                 f"train split) until held-out predicted reward {s.sft_target:g} (at most {s.sft_max_steps} steps)")
-        sft = _cli("sft", "--model", str(model_dir), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
-                   "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
-                   "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),
-                   "--ceiling", str(round(max(s.band[1] - 0.05, s.sft_target), 4)),
-                   "--batch-size", str(s.sft_batch_size), "--check-every", str(s.sft_check_every),
-                   "--check-examples", str(s.sft_check_examples),
-                   "--balanced" if s.sft_balanced else "--no-balanced", "--seed", str(seed), "--mix", s.mix, env=env)
-        progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
-                 f"{sft['predicted_reward']:.3f} ({sft['seconds']:.0f}s)")
-        return {"pretrained": s.model, "model_dir": str(home / "warm"),
-                **{k: sft[k] for k in ("steps", "max_steps", "target", "reached", "predicted_reward", "by_family",
-                                       "heldout_nll", "examples", "final_loss", "seconds", "curve")}}
+
+def _sft(s: LearningSettings, seed: int, base: Path, home: Path, env: dict[str, str],
+         progress: Callable[[str], None]) -> dict:
+    """SFT of `base` into `home`/warm on the mix's demonstrations, as s says (the `sft` command); its summary."""
     balanced = ", half of each batch from those short of it" if s.sft_balanced else ""
     each = "" if s.sft_family_target is None else f", each family's {s.sft_family_target:g}{balanced}"
-    progress(f"[seed {seed}] warm start: SFT until held-out predicted reward {s.sft_target:g}{each} (at most "
-             f"{s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
-    _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), "--hidden-size", str(s.hidden_size),
-         "--layers", str(s.layers), env=env)
-    sft = _cli("sft", "--model", str(home / "init"), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
+    progress(f"[seed {seed}] warm start: SFT on demonstrations of {s.mix} until held-out predicted reward "
+             f"{s.sft_target:g}{each} (at most {s.sft_max_steps} steps, {s.sft_examples} demonstrations)")
+    sft = _cli("sft", "--model", str(base), "--out", str(home / "warm"), "--max-steps", str(s.sft_max_steps),
                "--target", str(s.sft_target), "--examples", str(s.sft_examples), "--lr", str(s.sft_lr),
                "--family-target", str(-1 if s.sft_family_target is None else s.sft_family_target),
                "--ceiling", str(round(max(s.band[1] - 0.05, s.sft_target), 4)),  # under the band's top
@@ -217,9 +197,24 @@ def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[s
     families = ", ".join(f"{f} {v:.3f}" for f, v in sft["by_family"].items())
     progress(f"[seed {seed}] warm start: {sft['steps']} steps, held-out predicted reward "
              f"{sft['predicted_reward']:.3f} ({families}), SFT loss {sft['final_loss']:.3f} ({sft['seconds']:.0f}s)")
-    return {k: sft[k] for k in ("steps", "max_steps", "target", "family_target", "balanced", "reached",
-                                "predicted_reward", "by_family", "heldout_nll", "heldout_examples", "examples",
-                                "final_loss", "seconds", "curve")}
+    return {k: sft[k] for k in SFT_KEYS}
+
+
+def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[str], None] = print) -> dict:
+    """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary. With a
+    pretrained `model`: that model, as it is, or (with `pretrained_sft`) after the same SFT."""
+    env = {**os.environ, "FORGE_HOME": str(home)}
+    if s.model:
+        from forge_stream.model_import import resolve_model
+
+        model_dir = resolve_model(s.model, ForgeSettings().cache_dir, progress)
+        if not s.pretrained_sft:
+            progress(f"[seed {seed}] starting from the pretrained model {s.model} ({model_dir}): no warm start")
+            return {"pretrained": s.model, "model_dir": str(model_dir)}
+        return {"pretrained": s.model, "model_dir": str(home / "warm"), **_sft(s, seed, model_dir, home, env, progress)}
+    _cli("model", "init", "--out", str(home / "init"), "--seed", str(seed), "--hidden-size", str(s.hidden_size),
+         "--layers", str(s.layers), env=env)
+    return _sft(s, seed, home / "init", home, env, progress)
 
 
 def run(s: LearningSettings, progress: Callable[[str], None] = print) -> dict:

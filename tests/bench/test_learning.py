@@ -167,7 +167,8 @@ def test_a_pretrained_model_with_warm_start_sft_is_fine_tuned_on_the_mix_first(m
 
     def cli(*args, env):
         calls.append(args)
-        return {**warm(0.25), "by_family": {"calc": 0.3, "table": 0.2}, "curve": []}
+        return {**warm(0.25), "by_family": {"calc": 0.3, "table": 0.2}, "curve": [], "family_target": 0.01,
+                "balanced": True}
 
     monkeypatch.setattr(learning, "run_seed", run_seed)
     monkeypatch.setattr(learning, "_cli", cli)
