@@ -26,6 +26,7 @@ from typing import Iterable
 
 from forge_stream.events import deterministic_id, now_ms
 from forge_stream.kafka.history import Slice, read_slice
+from forge_stream.processors.rules import TurnContext, invalid_tool_call
 from forge_stream.rollout.agents import Agent
 from forge_stream.rollout.client import GatewayClient, RetryPolicy
 from forge_stream.rollout.episode import SessionOutcome, Slots, run_episode
@@ -153,20 +154,8 @@ def recorded_versions(completions: list[dict]) -> Counter:
 
 def _valid_calls(completion: dict) -> bool:
     """Every tool call of the completion parsed, names a tool the request offered, and has a JSON object of
-    arguments."""
-    if completion.get("tool_call_error"):
-        return False
-    offered = {t.get("function", t).get("name") for t in json.loads(completion.get("tools_json") or "[]")}
-    for call in json.loads(completion.get("tool_calls_json") or "[]"):
-        function = call.get("function") or {}
-        try:
-            arguments = function.get("arguments") or "{}"
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            return False
-        if function.get("name") not in offered or not isinstance(arguments, dict):
-            return False
-    return True
+    arguments: the processors' `invalid_tool_call` rule does not fire on it."""
+    return invalid_tool_call(TurnContext(completion, ())) == 0.0
 
 
 def acting(outcomes: list[SessionOutcome], completions: list[dict]) -> dict[str, dict]:
