@@ -200,9 +200,37 @@ def _sft(s: LearningSettings, seed: int, base: Path, home: Path, env: dict[str, 
     return {k: sft[k] for k in SFT_KEYS}
 
 
+def reused_warm_start(result_path: Path, seed: int) -> dict:
+    """Seed `seed`'s warm start as an earlier run's result (`bench learning --json`, its --home kept) records it,
+    with `reused_from`: two settings compared from one start, and no SFT run twice.
+
+    Raises ValueError, saying what to do, when the file is no such result, lacks the seed, or its model is gone."""
+    try:
+        result = json.loads(Path(result_path).read_text())
+        runs = {int(run["seed"]): run for run in result.get("seeds") or [result]}
+        home = (result.get("settings") or {}).get("home")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--warm-from {result_path}: not the JSON of a bench learning run ({exc})") from None
+    if seed not in runs:
+        raise ValueError(f"--warm-from {result_path}: that run has no seed {seed} (its seeds: {sorted(runs)}); "
+                         f"give --seed and --seeds within them")
+    warm = dict(runs[seed].get("warm_start") or {})
+    model_dir = warm.get("model_dir") or (str(Path(home) / f"seed{seed}" / "warm") if home else None)
+    if not model_dir or not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"--warm-from {result_path}: seed {seed}'s warm start ({model_dir}) is gone; run the "
+                         f"first benchmark with --home DIR to keep its warm starts")
+    return {**warm, "model_dir": model_dir, "reused_from": str(result_path)}
+
+
 def warm_start(s: LearningSettings, seed: int, home: Path, progress: Callable[[str], None] = print) -> dict:
     """The seed's tiny model (its own init) and its SFT warm start in `home`; the `sft` command's summary. With a
-    pretrained `model`: that model, as it is, or (with `pretrained_sft`) after the same SFT."""
+    pretrained `model`: that model, as it is, or (with `pretrained_sft`) after the same SFT. With `warm_from`: the
+    warm start that earlier run made for this seed."""
+    if s.warm_from:
+        home.mkdir(parents=True, exist_ok=True)
+        warm = reused_warm_start(s.warm_from, seed)
+        progress(f"[seed {seed}] warm start: the one {s.warm_from} made ({warm['model_dir']})")
+        return warm
     env = {**os.environ, "FORGE_HOME": str(home)}
     if s.model:
         from forge_stream.model_import import resolve_model

@@ -51,6 +51,7 @@ class LearningSettings:
     plot: Path | None = None  # draw the reward curve here before tearing down (one file per seed with several)
     model: str | None = None  # a pretrained model (directory or known name) to start from instead of the tiny model
     pretrained_sft: bool = False  # with `model`: warm-start it with SFT on the mix's demonstrations first
+    warm_from: Path | None = None  # an earlier run's result (--json, its home kept): each seed starts from its warm start
     eval_split: str = "test"  # "validation" to choose settings: the test split is for reporting only
     temperature: float | None = None  # what the agent samples at, training and evaluation alike (None: its default, 1)
 

@@ -313,6 +313,10 @@ def learning(
     warm_start: Optional[str] = typer.Option(None, help="The warm start: sft (SFT on the mix's demonstrations of the "
                                                         "train split) or none; the tiny model always has one, a "
                                                         "pretrained --model none by default."),
+    warm_from: Optional[Path] = typer.Option(None, help="Instead of a warm start of its own, each seed starts from "
+                                                        "the one an earlier run made for it: that run's --json "
+                                                        "output, its --home kept (two settings compared from one "
+                                                        "start)."),
     hidden_size: int = typer.Option(128, help="The tiny model's width (model init --hidden-size)."),
     layers: int = typer.Option(2, min=1, help="The tiny model's decoder layers (model init --layers)."),
     band: Tuple[float, float] = typer.Option((0.1, 0.5), help="Held-out reward (SFT's criterion, then the test "
@@ -350,7 +354,7 @@ def learning(
     updates_per_batch = updates_per_batch if updates_per_batch is not None else (1 if model else 4)
     if engine_load_interval is None:
         engine_load_interval = 30.0 if model and engine_kind == "vllm" and not lora_rank else 0.0
-    from forge_stream.bench.learning import EngineGone, NothingTrained, OutsideBand, run
+    from forge_stream.bench.learning import EngineGone, NothingTrained, OutsideBand, reused_warm_start, run
     from forge_stream.bench.learning_settings import LearningSettings
 
     if engine_kind not in ("torch", "vllm"):
@@ -365,6 +369,12 @@ def learning(
     if not 0.0 <= replay_edge < 1.0:
         typer.echo(f"--replay-edge is a share of the groups, at least 0 and below 1, not {replay_edge}", err=True)
         raise typer.Exit(2)
+    try:
+        for each in range(seed, seed + seeds) if warm_from else ():
+            reused_warm_start(warm_from, each)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
     try:
         from forge_stream.tiny.model import TinyModelSpec
 
@@ -388,7 +398,7 @@ def learning(
                                 band=tuple(band),
                                 allow_outside_band=allow_outside_band, seed=seed, seeds=seeds,
                                 bootstrap=bootstrap_servers, home=home, plot=plot, model=model,
-                                temperature=temperature)
+                                temperature=temperature, warm_from=warm_from)
     try:
         result = run(settings, progress=lambda line: typer.echo(line, err=True))
     except OutsideBand as exc:

@@ -191,6 +191,43 @@ def test_a_pretrained_model_with_warm_start_sft_is_fine_tuned_on_the_mix_first(m
     assert refused.exit_code == 2 and "--warm-start" in refused.output
 
 
+def test_warm_from_starts_each_seed_from_an_earlier_runs_warm_start_and_runs_no_sft(monkeypatch, tmp_path):
+    """--warm-from RESULT: each seed RL-trains from the model the earlier run's SFT made for that seed (two settings
+    compared from one start); no SFT runs, and a result without the seed, or whose warm start is gone, is refused
+    before anything starts, saying what to do."""
+    seen, calls = {}, []
+
+    def run_seed(s, seed, home, warm_start, progress):
+        seen[seed] = warm_start
+        return learning_result.seed_result(s, seed, warm_start, evaluation({"t": 0.0}), evaluation({"t": 1.0}), [], 1.0, 1)
+
+    monkeypatch.setattr(learning, "run_seed", run_seed)
+    monkeypatch.setattr(learning, "_cli", lambda *args, env: calls.append(args))
+    earlier = tmp_path / "earlier.json"
+    warm_dirs = {seed: tmp_path / "home" / f"seed{seed}" / "warm" for seed in (0, 1)}
+    for path in warm_dirs.values():
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+    earlier.write_text(json.dumps({"seeds": [{"seed": seed, "warm_start": {**warm(0.3), "model_dir": str(path)}}
+                                             for seed, path in warm_dirs.items()]}))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = ["bench", "learning", "--model", str(model), "--mix", "tools", "--home", str(tmp_path / "h"), "--json"]
+    result = CliRunner().invoke(app, [*args, "--seeds", "2", "--warm-from", str(earlier)])
+    assert result.exit_code == 0, result.output
+    assert calls == []  # no SFT, no model init
+    assert {seed: w["model_dir"] for seed, w in seen.items()} == {seed: str(p) for seed, p in warm_dirs.items()}
+    assert seen[1]["reused_from"] == str(earlier) and seen[1]["predicted_reward"] == 0.3
+    missing = CliRunner().invoke(app, [*args, "--seeds", "3", "--warm-from", str(earlier)])
+    assert missing.exit_code == 2 and "has no seed 2 (its seeds: [0, 1])" in missing.output
+    (warm_dirs[1] / "config.json").unlink()
+    gone = CliRunner().invoke(app, [*args, "--seeds", "2", "--warm-from", str(earlier)])
+    assert gone.exit_code == 2 and "seed 1's warm start" in gone.output and "--home" in gone.output
+    not_a_result = CliRunner().invoke(app, [*args, "--warm-from", str(model / "config.json")])
+    assert not_a_result.exit_code == 2 and "not the JSON of a bench learning run" in not_a_result.output
+
+
 def test_the_rl_stream_starts_past_the_tasks_the_warm_start_was_shown():
     """SFT demonstrates the first `sft_examples` tasks of the seed's training stream (same seed and mix); RL's
     stream is that stream from the next task on, so none of its tasks is one the warm start memorized."""
