@@ -207,10 +207,14 @@ def reused_warm_start(result_path: Path, seed: int) -> dict:
     Raises ValueError, saying what to do, when the file is no such result, lacks the seed, or its model is gone."""
     try:
         result = json.loads(Path(result_path).read_text())
-        runs = {int(run["seed"]): run for run in result.get("seeds") or [result]}
+        runs = {int(run["seed"]): run for run in result.get("seeds") or []}
+        if "warm_start" in result:  # a run refused at a seed's band: that seed's warm start is kept too
+            runs.setdefault(int(result["seed"]), result)
         home = (result.get("settings") or {}).get("home")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"--warm-from {result_path}: not the JSON of a bench learning run ({exc})") from None
+    if not runs:
+        raise ValueError(f"--warm-from {result_path}: not the JSON of a bench learning run (it names no seed)")
     if seed not in runs:
         raise ValueError(f"--warm-from {result_path}: that run has no seed {seed} (its seeds: {sorted(runs)}); "
                          f"give --seed and --seeds within them")

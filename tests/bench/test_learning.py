@@ -208,8 +208,9 @@ def test_warm_from_starts_each_seed_from_an_earlier_runs_warm_start_and_runs_no_
     for path in warm_dirs.values():
         path.mkdir(parents=True)
         (path / "config.json").write_text("{}")
-    earlier.write_text(json.dumps({"seeds": [{"seed": seed, "warm_start": {**warm(0.3), "model_dir": str(path)}}
-                                             for seed, path in warm_dirs.items()]}))
+    runs = [{"seed": seed, "warm_start": {**warm(0.3), "model_dir": str(path)}} for seed, path in warm_dirs.items()]
+    # seed 1 was refused for its band after seed 0's RL: the result names it, and its warm start, at the top
+    earlier.write_text(json.dumps({"refused": "seed 1's warm start: ...", **runs[1], "seeds": runs[:1]}))
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
