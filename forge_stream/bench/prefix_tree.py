@@ -6,7 +6,9 @@ Three workloads (token ids drawn from a seeded generator, so every run scores th
       every `reset_every` turns (the new context restarts from the task prompt plus a short summary);
   (c) long_horizon: a long agent rollout, every turn its own sample, no reset (T/U >= 40).
 Tree step: `sequence_logprobs` over the packed tree (ancestor attention), loss = sum_i w_i * sum(lp_i) with
-random per-sequence weights, backward. Baseline: the same loss without sharing, as length-sorted right-padded
+random per-sequence weights, backward. At a sampling `temperature` or `top_p` other than 1 (what a trainer scores
+sampled tokens at: `path_logprobs` with the settings per row, the trainer's path), every token's log-prob is that of
+the processed distribution, both ways; top-p sorts each scored row's whole vocabulary. Baseline: the same loss without sharing, as length-sorted right-padded
 batches under a padded-token budget, each batch's backward run before the next batch (gradient accumulation,
 the fastest way that keeps memory bounded). Each variant runs in its own spawned process: the fastest of `repeats`
 steps after a small warm-up, and peak RSS growth during the steps (Linux VmHWM reset through /proc/self/clear_refs;
@@ -39,6 +41,8 @@ class BenchSettings:
     seed: int = 0
     model_dir: str | None = None  # a real model directory instead of a random Llama of the sizes above
     head_rows: int = 1024  # LM-head rows scored at a time (logits of at most head_rows x vocab exist)
+    temperature: float = 1.0  # the sampling settings every token is scored at (1, 1: the model's own distribution)
+    top_p: float = 1.0
     # (a) GRPO
     grpo_prompt: int = 2048
     grpo_group: int = 16
@@ -118,8 +122,17 @@ def _rss_kb(field: str) -> int:
 def tree_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
     """Forward + backward of sum_i w_i * sum(lp_i) over the packed tree; returns the detached log-probs."""
     from forge_stream.tree import pack, sequence_logprobs
+    from forge_stream.tree.logprobs import path_logprobs
 
-    lps = sequence_logprobs(model, pack(seqs), chunk_rows=s.chunk_rows, head_rows=s.head_rows)
+    packed = pack(seqs)
+    if s.temperature == 1.0 and s.top_p == 1.0:
+        lps = sequence_logprobs(model, packed, chunk_rows=s.chunk_rows, head_rows=s.head_rows)
+    else:  # the trainer's path: each scored row at the settings it was sampled with
+        rows = torch.cat([path[1:] for path in packed.paths])
+        lp = path_logprobs(model, packed, rows, chunk_rows=s.chunk_rows, head_rows=s.head_rows,
+                           temperature=torch.full((len(rows),), s.temperature, dtype=torch.float64),
+                           top_p=torch.full((len(rows),), s.top_p, dtype=torch.float64))
+        lps = list(lp.split([len(path) - 1 for path in packed.paths]))
     sum(w * lp.sum() for w, lp in zip(weights, lps)).backward()
     return [lp.detach() for lp in lps]
 
@@ -130,7 +143,7 @@ def baseline_step(model, seqs, weights, s: BenchSettings) -> list[torch.Tensor]:
 
     out: list = [None] * len(seqs)
     for batch in length_batches([len(x) for x in seqs], s.batch_tokens):
-        lps = padded_batch_logprobs(model, [seqs[i] for i in batch])
+        lps = padded_batch_logprobs(model, [seqs[i] for i in batch], temperature=s.temperature, top_p=s.top_p)
         sum(weights[i] * lp.sum() for i, lp in zip(batch, lps)).backward()
         for i, lp in zip(batch, lps):
             out[i] = lp.detach()
@@ -189,16 +202,32 @@ def _measure(variant: str, name: str, s: BenchSettings) -> dict:
     return {"seconds": min(times), "peak_mb": (peak_kb - base_kb) / 1024, "logprobs": torch.cat(lps)}
 
 
+def scored_at(s: BenchSettings) -> dict:
+    """What distribution the steps score every token under, for the JSON."""
+    if (s.temperature, s.top_p) == (1.0, 1.0):
+        path = "the model's own distribution"
+    elif s.top_p < 1.0:
+        path = "logits / temperature, then the top-p nucleus (a sort of each scored row's whole vocabulary)"
+    else:
+        path = "logits / temperature"
+    return {"temperature": s.temperature, "top_p": s.top_p, "path": path}
+
+
 def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: int | None = None,
-        model_dir: str | None = None) -> dict:
+        model_dir: str | None = None, temperature: float | None = None, top_p: float | None = None) -> dict:
     """Measure every workload tree vs baseline; one dict with a `workloads` list (see module docstring).
     `model_dir`: step a real model (its vocabulary, agent-shaped workloads of MODEL_SHAPES), and measure the
-    tree step with the LM head whole beside it."""
+    tree step with the LM head whole beside it. `temperature`, `top_p`: score every token at these sampling
+    settings."""
     from forge_stream.tree import pack
 
     s = settings or (QUICK if quick else MODEL_SHAPES if model_dir else BenchSettings())
     if threads is not None:
         s = replace(s, threads=threads)
+    if temperature is not None:
+        s = replace(s, temperature=temperature)
+    if top_p is not None:
+        s = replace(s, top_p=top_p)
     model_info = None
     if model_dir is not None:
         from transformers import AutoConfig
@@ -249,5 +278,6 @@ def run(settings: BenchSettings | None = None, *, quick: bool = False, threads: 
         "model": model_info,
         "step": "forward + backward of sum_i w_i * sum_t logp_it, float32, "
                 + (model_info["architecture"] if model_info else "Llama-style model (GQA)"),
+        "scored_at": scored_at(s),
         "workloads": results,
     }

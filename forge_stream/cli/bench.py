@@ -198,11 +198,18 @@ def prefix_tree(
     model: str = typer.Option(None, help="A model directory or a known model (smollm2-135m): its own weights and "
                                          "vocabulary on agent-shaped workloads, with the LM head whole beside "
                                          "chunked."),
+    temperature: float = typer.Option(1.0, min=0.01,
+                                      help="Score every token at this sampling temperature, as the trainer "
+                                           "scores what was sampled at it."),
+    top_p: float = typer.Option(1.0, min=0.01, max=1.0,
+                                help="...and within this top-p nucleus (below 1: each scored row's whole "
+                                     "vocabulary is sorted)."),
 ) -> None:
     """One training step tree-packed vs unshared on GRPO, multi-turn and long-horizon agent workloads."""
     from forge_stream.bench import prefix_tree as bench
 
-    emit(bench.run(quick=quick, threads=threads, model_dir=str(_model(model)) if model else None), as_json)
+    emit(bench.run(quick=quick, threads=threads, model_dir=str(_model(model)) if model else None,
+                   temperature=temperature, top_p=top_p), as_json)
 
 
 @app.command("kv-tier")

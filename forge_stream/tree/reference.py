@@ -14,6 +14,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from forge_stream.sampled_policy import processed_logprobs
+
 Family = Literal["llama", "qwen2", "mistral"]
 
 
@@ -89,17 +91,22 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
     return batches
 
 
-def padded_batch_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def padded_batch_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0,
+                          top_p: float = 1.0) -> list[torch.Tensor]:
     """One right-padded batch through the model's own causal attention with full logits. No padding mask is
     needed: pads come after every real token, and causal attention never lets a real token see them, so SDPA
-    keeps its fastest (is_causal, mask-free) kernel."""
+    keeps its fastest (is_causal, mask-free) kernel. At a `temperature` or `top_p` other than 1, each token is
+    scored under the processed distribution it was sampled from (forge_stream.sampled_policy), as the trainer does."""
     device = model.get_input_embeddings().weight.device
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     for j, seq in enumerate(sequences):
         ids[j, : len(seq)] = torch.tensor(list(seq), device=device)
     logits = model(input_ids=ids, use_cache=False).logits
-    return [_token_logprobs(logits[j, : len(seq)], ids[j, : len(seq)]) for j, seq in enumerate(sequences)]
+    if temperature == 1.0 and top_p == 1.0:
+        return [_token_logprobs(logits[j, : len(seq)], ids[j, : len(seq)]) for j, seq in enumerate(sequences)]
+    return [processed_logprobs(logits[j, : len(seq) - 1], ids[j, 1: len(seq)], temperature, top_p)
+            for j, seq in enumerate(sequences)]
 
 
 def padded_logprobs(
