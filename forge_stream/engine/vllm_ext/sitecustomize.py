@@ -19,6 +19,14 @@ Always: when the model writes a `<tool_call>` block that does not parse, vLLM's 
 with a traceback and answers the text without tool_calls. For a policy being trained that is the model's mistake,
 not the server's: the gateway records why on the Completion (`tool_call_error`) and the `invalid_tool_call` rule
 penalizes it. `ModelToolCallNote` turns that record into one WARNING line that says so.
+
+Always: a request with a `seed` gets a generator of its own, and when a step computes only part of its prompt (the
+step's token budget, 2048 on a CPU server, is shared by every prompt being read, so under load any prompt can be
+split), vLLM rewinds that generator past the token it sampled and threw away, with `set_offset`. A CPU generator has
+no offset: torch raises "CPU Generator does not use offset" and vLLM's engine dies with every request in flight. The
+model runner's generators are made `RewindableGenerator`s, on which the rewind does nothing on the CPU: a seeded
+request then draws on from where the discarded sample left it, so its tokens are repeatable for the same schedule of
+its prompt's parts (which the concurrent load decides, as it does on GPUs), and the engine lives.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ import time
 
 MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 ENV = "FORGE_VLLM_MQ_POLL_S"
+RUNNER = "vllm.v1.worker.gpu_model_runner"  # the CPU model runner is a subclass; it makes the seeded generators
 TOOL_PARSER_LOGGER = "vllm.tool_parsers.hermes_tool_parser"
 TOOL_PARSER_FAILURES = ("Error in extracting tool call from response.", "Error trying to handle streaming tool call.")
 
 
-def _patch(module) -> None:
+def _patch_poll(module) -> None:
     seconds = float(os.environ[ENV])
 
     def poll_pause() -> None:
@@ -46,11 +55,41 @@ def _patch(module) -> None:
     module.forge_poll_s = seconds  # read back by the worker extension's `forge_mq_poll`
 
 
+def _patch_generators(module) -> None:
+    import types
+
+    import torch
+
+    class RewindableGenerator(torch.Generator):
+        """A torch generator whose offset, on the CPU where torch has none, reads 0 and sets nothing."""
+
+        def get_offset(self) -> int:
+            return 0 if self.device.type == "cpu" else super().get_offset()
+
+        def set_offset(self, offset: int):
+            return self if self.device.type == "cpu" else super().set_offset(offset)
+
+    class TorchWithRewindableGenerators(types.ModuleType):
+        """torch as the runner module sees it: torch itself, but `Generator` makes RewindableGenerators."""
+
+        Generator = RewindableGenerator
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    module.torch = TorchWithRewindableGenerators("torch")  # the runner's code reads its global `torch` when it runs
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real loader of MODULE so that `_patch` runs once the module has executed."""
+    """Finds nothing itself: wraps the real loader of each module of `patches` so that its patch runs once the
+    module has executed."""
+
+    def __init__(self, patches: dict) -> None:
+        self.patches = patches
 
     def find_spec(self, name, path, target=None):
-        if name != MODULE:
+        patch = self.patches.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -59,7 +98,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -81,5 +120,5 @@ class ModelToolCallNote(logging.Filter):
 
 
 logging.getLogger(TOOL_PARSER_LOGGER).addFilter(ModelToolCallNote())
-if os.environ.get(ENV):
-    sys.meta_path.insert(0, _PatchOnImport())
+sys.meta_path.insert(0, _PatchOnImport({RUNNER: _patch_generators,
+                                       **({MODULE: _patch_poll} if os.environ.get(ENV) else {})}))
