@@ -131,17 +131,17 @@ def test_a_sampling_parameter_no_completion_records_is_refused_naming_it(vllm_en
 def test_seeded_requests_whose_prompts_a_step_splits_are_answered_and_repeatable(vllm_engine):
     """vLLM on a CPU shares a step's 2048 prompt tokens among every prompt being read, so under load a prompt is read
     in parts; for a seeded request vLLM then rewinds its generator with an offset that a CPU generator lacks, and
-    its engine died ("CPU Generator does not use offset"). Three seeded prompts of 1,100 tokens at once cannot share
-    one step: all three are answered, the engine still serves, and a seed alone gives the same tokens twice."""
+    its engine died ("CPU Generator does not use offset"). Eight seeded prompts of 1,100 tokens at once cannot share
+    one step: all eight are answered, the engine still serves, and a seed alone gives the same tokens twice."""
     def complete(ids: list[int], seed: int) -> list[int]:
         response = httpx.post(vllm_engine.url + "/v1/completions", timeout=300, json={
             "model": "x", "prompt": ids, "max_tokens": 4, "temperature": 1.0, "seed": seed, "return_token_ids": True})
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["token_ids"]
 
-    prompts = [[random.Random(k).randrange(10, 900) for _ in range(1100)] for k in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(complete, prompts, (7, 8, 9)))
+    prompts = [[random.Random(k).randrange(10, 900) for _ in range(1100)] for k in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(complete, prompts, range(8)))
     assert all(len(tokens) == 4 for tokens in answers)
     assert httpx.get(vllm_engine.url + "/health", timeout=10).status_code == 200
     alone = [random.Random(5).randrange(10, 900) for _ in range(300)]
