@@ -25,7 +25,9 @@ behind HAProxy with the shipped config (`forge-stream gateway balance`: each ses
 agents name the session they open with X-Forge-Session), and `kill_host_after_s` SIGKILLs the last host (its
 supervisor and workers) that long into the run: its sessions move to the others, which rebuild them from Kafka. A
 call its host died under (HAProxy's 502/503/504, or a reset) is counted in `unanswered` and sent again with a new id;
-`lost` and `duplicate_turns` still count what was acknowledged and what was recorded.
+`lost` and `duplicate_turns` still count what was acknowledged and what was recorded. A finish sent again that gets
+409 (the session is finished: the first try finished it and its answer was lost) is done, as the rollout client
+takes it, and counted in `finished_before`.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Tally:
     shed_without_retry_after: int = 0
     errors: Counter = field(default_factory=Counter)  # other non-2xx status (or exception name) -> count
     unanswered: int = 0  # calls the balancer found no answer for (their host died under them), sent again
+    done_before: int = 0  # finishes sent again whose first try had finished the session (its answer lost): 409
     latencies_ms: list[float] = field(default_factory=list)
     sessions: int = 0
     burst_sessions: int = 0  # sessions that asked a turn as a burst of parallel calls
@@ -99,10 +102,12 @@ def _retry_delay(response: httpx.Response) -> float | None:
 
 
 async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, deadline: float,
-                chat: bool = False, headers: dict | None = None) -> httpx.Response | None:
+                chat: bool = False, headers: dict | None = None, done_status: int | None = None
+                ) -> httpx.Response | None:
     """POST until answered other than 429/503 (waiting each shed answer's delay); None past the deadline or on
     any other failure. `make_body(call_id)` builds each attempt's body. Behind a balancer, a call its host died
-    under is sent again."""
+    under is sent again; then `done_status` (a finish's 409) says that the try whose answer was lost did it."""
+    lost_answer = False
     while time.monotonic() < deadline:
         call_id = uuid.uuid4().hex
         start = time.perf_counter()
@@ -117,6 +122,7 @@ async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, d
         if response is None or _BALANCED.get() and response.status_code in (502, 504) or \
                 _BALANCED.get() and response.status_code == 503 and "retry-after" not in response.headers:
             tally.unanswered += 1
+            lost_answer = True
             await asyncio.sleep(0.1)
             continue
         if response.status_code in (429, 503):
@@ -128,6 +134,9 @@ async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, d
                 tally.shed_without_retry_after += 1
             await asyncio.sleep(delay or 1.0)
             continue
+        if lost_answer and response.status_code == done_status:
+            tally.done_before += 1
+            return response
         if response.status_code >= 300:
             tally.errors[response.status_code] += 1
             return None
@@ -184,7 +193,7 @@ async def _agent(client: httpx.AsyncClient, run: str, index: int, deadline: floa
         if second is None:
             return
         if await _post(client, f"/v1/sessions/{session_id}/finish", lambda _: {"status": "ok"},
-                       tally, deadline) is None:
+                       tally, deadline, done_status=409) is None:
             return
         tally.sessions += 1
 
@@ -402,4 +411,5 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         "engine_delay_ms": settings.engine_delay_ms, "workers": settings.workers,
         "parallel_every": settings.parallel_every, "hosts": settings.hosts,
         "hosts_killed": int(settings.kill_host_after_s is not None), "unanswered": tally.unanswered,
+        "finished_before": tally.done_before,
     }

@@ -82,4 +82,5 @@ def test_bench_load_across_two_hosts_behind_haproxy_loses_nothing_when_one_is_ki
     # the engine, two gateway supervisors with two workers each, haproxy
     assert result["processes_started"] >= 6 and result["orphans"] == 0, result
     assert result["acknowledged"] > 0 and result["errors"] == {}, result
+    assert type(result["finished_before"]) is int, result
     assert result["lost"] == result["duplicates"] == result["duplicate_turns"] == 0, result
