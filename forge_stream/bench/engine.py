@@ -13,8 +13,8 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_stream.engine.sampling import SamplingParams
-from forge_stream.engine.scheduler import LoadedModel, Request, Scheduler, TokenEvent
+from forge_stream.engine.torch_engine.sampling import SamplingParams
+from forge_stream.engine.torch_engine.scheduler import LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.tiny.model import init_tiny_model
 
 

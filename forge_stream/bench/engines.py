@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 
 def agent_messages(n: int) -> list[list[dict]]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from forge_stream import proc
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.kafka.broker import free_port
 from forge_stream.kvtier import TierSettings, server_argv, tier_status, transfer_mode
 
@@ -109,7 +109,7 @@ def run(model_dir: str, sizes: tuple[int, ...] = SIZES, rounds: int = 3, progres
     tier = TierSettings(port=free_port(), http_port=free_port(), l1_size_gb=2.0)
     max_len = max(sizes) + NEW_TOKENS + CONTINUATION + 64
     with ExitStack() as stack:
-        from forge_stream.engine.vllm_runtime import ensure_runtime
+        from forge_stream.engine.vllm_front.runtime import ensure_runtime
         from forge_stream.settings import ForgeSettings
 
         runtime = ensure_runtime(ForgeSettings().cache_dir, echo=progress)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from forge_stream import deploy
 from forge_stream.cli.options import BootstrapOption, JsonOption, settings
-from forge_stream.engine.vllm_runtime import VllmInstallError
+from forge_stream.engine.vllm_front.runtime import VllmInstallError
 from forge_stream.kafka.admin import TopicMismatch, describe
 from forge_stream.kvtier import tier_status
 from forge_stream.scheduler import report

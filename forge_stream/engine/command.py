@@ -52,7 +52,7 @@ def serve(
     wait_for_kafka: bool = WaitForKafkaOption,
 ) -> None:
     """Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models and /v1/admin/load_weights."""
-    from forge_stream.engine.settings import EngineSettings
+    from forge_stream.engine.torch_engine.settings import EngineSettings
     from forge_stream.settings import ForgeSettings
 
     try:  # before torch and transformers are imported: a refused setting is said at once
@@ -68,8 +68,8 @@ def serve(
         ready_kafka(ForgeSettings(bootstrap_servers=bootstrap_servers), wait=wait_for_kafka)
     import uvicorn
 
-    from forge_stream.engine.api import create_app
-    from forge_stream.engine.serving import EngineService
+    from forge_stream.engine.torch_engine.api import create_app
+    from forge_stream.engine.torch_engine.serving import EngineService
 
     # its own lines (ready, each policy version loaded) dated like the other services'; uvicorn's and aiokafka's
     # (the policy follower) at warning; no progress bar for each checkpoint loaded (a log, not a terminal)
@@ -88,7 +88,7 @@ def install_vllm(
     force: bool = typer.Option(False, help="Install again even if the runtime is there."),
 ) -> None:
     """Install the pinned vLLM runtime into its own environment under the cache directory (once per machine)."""
-    from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
+    from forge_stream.engine.vllm_front.runtime import VllmInstallError, ensure_runtime
     from forge_stream.settings import ForgeSettings
 
     try:
@@ -145,10 +145,10 @@ def vllm(
     import uvicorn
 
     from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
-    from forge_stream.engine.probe import tolerance
-    from forge_stream.engine.vllm_engine import create_app
-    from forge_stream.engine.vllm_runtime import VllmInstallError, ensure_runtime
-    from forge_stream.engine.vllm_state import VllmEngineSettings
+    from forge_stream.engine.shared.probe import tolerance
+    from forge_stream.engine.vllm_front.app import create_app
+    from forge_stream.engine.vllm_front.runtime import VllmInstallError, ensure_runtime
+    from forge_stream.engine.vllm_front.state import VllmEngineSettings
     from forge_stream.kvtier import connector_config
     from forge_stream.settings import ForgeSettings
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import orjson
 
-from forge_stream.engine.tool_calls import TOOL_CALL_START, parse_tool_calls
+from forge_stream.engine.shared.tool_calls import TOOL_CALL_START, parse_tool_calls
 from forge_stream.events import deterministic_id
 from forge_stream.events.prompts import PromptIds
 
@@ -61,7 +61,7 @@ class ChoiceRecord:
     def tool_call_error(self, tools_offered: bool) -> str | None:
         """Why a tool call the model wrote in the Hermes format (`<tool_call>...</tool_call>`) did not come back
         parsed, or None. Only a request that offered tools can have one. Engines parse a text's blocks all or none
-        (vLLM's `hermes` parser, forge_stream.engine.tool_calls) and leave a text that failed as content, so a
+        (vLLM's `hermes` parser, forge_stream.engine.shared.tool_calls) and leave a text that failed as content, so a
         start marker in the content is a call that failed.
 
         >>> ChoiceRecord(0, text='<tool_call>{"name": "f"').tool_call_error(True)
@@ -321,7 +321,7 @@ def prompt_json(ctx: RequestContext, choice: ChoiceRecord) -> str:
 
 def prompt_sources(prompt_cache: dict | None) -> tuple[int | None, int | None, int | None]:
     """(computed, from the engine's prefix cache, from the shared KV tier) of an answer's prompt tokens, as the
-    vLLM engine's `prompt_cache` says (forge_stream.engine.vllm_engine.prompt_cache); None where it did not say.
+    vLLM engine's `prompt_cache` says (forge_stream.engine.vllm_front.app.prompt_cache); None where it did not say.
 
     >>> prompt_sources({"prompt_tokens": 300, "engine": 32, "tier": 256}), prompt_sources(None)
     ((12, 32, 256), (None, None, None))

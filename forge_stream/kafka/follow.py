@@ -1,5 +1,5 @@
 """Follow one topic from its beginning without a consumer group, in an asyncio service (aiokafka): how every
-engine replica, torch or vLLM, reads forge.policy (forge_stream.engine.follower), so that each of them sees every
+engine replica, torch or vLLM, reads forge.policy (forge_stream.engine.shared.follower), so that each of them sees every
 record.
 
 `Follower` starts once Kafka answers, retrying while it does not (the caller serves on meanwhile). It hands over

@@ -18,7 +18,7 @@ The returned loss is `-J` (to minimise). Each loss has its own clip defaults (`L
 PPO (0.2, 0.2).
 
 What `old` is. The engines record the log-probs of the distribution they actually sampled from (after
-temperature and top-p: "processed" logprobs, forge_stream.engine.sampling; vLLM `--logprobs-mode
+temperature and top-p: "processed" logprobs, forge_stream.engine.torch_engine.sampling; vLLM `--logprobs-mode
 processed_logprobs`), and the gateway stamps that mode, the temperature and top_p on every Completion. So pi_old
 is the behaviour policy. The trainer evaluates pi_theta at the same sampling settings (logits / temperature, the
 top-p nucleus renormalised: forge_stream.sampled_policy, as verl, slime and prime-rl divide by the temperature), so

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from forge_stream.engine.vllm_runtime import runtime
+from forge_stream.engine.vllm_front.runtime import runtime
 from forge_stream.kafka.broker import free_port
 from forge_stream.settings import ForgeSettings
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 from early import EARLY
 

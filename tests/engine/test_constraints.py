@@ -15,8 +15,8 @@ import torch
 import xgrammar as xgr
 
 from forge_stream import openai_protocol
-from forge_stream.engine import constraints, serving_chat
-from forge_stream.engine.constraints import Grammars, chat_format
+from forge_stream.engine.torch_engine import constraints, serving_chat
+from forge_stream.engine.torch_engine.constraints import Grammars, chat_format
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},

@@ -1,4 +1,4 @@
-from forge_stream.engine.detok import IncrementalText
+from forge_stream.engine.torch_engine.detok import IncrementalText
 
 
 def _run(pieces, stop=(), include_stop=False):

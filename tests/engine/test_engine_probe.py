@@ -1,14 +1,14 @@
-"""The probe both engines run on a new version (forge_stream.engine.probe): its tolerance follows the served dtype,
-so that bfloat16's rounding passes where another version's weights do not, and log-probs that are not finite never
-match. Real models: the tiny model's log-probs in bfloat16 against its own in float32 (two implementations rounding
-differently, as vLLM's kernels and transformers do)."""
+"""The probe both engines run on a new version (forge_stream.engine.shared.probe): its tolerance follows the served
+dtype, so that bfloat16's rounding passes where another version's weights do not, and log-probs that are not finite
+never match. Real models: the tiny model's log-probs in bfloat16 against its own in float32 (two implementations
+rounding differently, as vLLM's kernels and transformers do)."""
 
 import math
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.probe import model_logprobs, probe_ids, tolerance, worst_difference
+from forge_stream.engine.shared.probe import model_logprobs, probe_ids, tolerance, worst_difference
 
 
 def _logprobs(folder, dtype: torch.dtype) -> list[float]:

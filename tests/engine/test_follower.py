@@ -1,4 +1,4 @@
-"""An engine follows forge.policy (forge_stream.engine.follower), on the real broker: it loads the newest version
+"""An engine follows forge.policy (forge_stream.engine.shared.follower), on the real broker: it loads the newest version
 published, never goes backwards, spaces its loads by the interval; a version it cannot serve (rotated away, a
 truncated weight file, a config transformers refuses, weights whose probe log-probs are not finite) is logged in one
 line and counted, the engine answers on under the last version it serves and loads the next good one; and once the
@@ -18,8 +18,8 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.follower import Applied, FollowerStatus, follow, newest
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.follower import Applied, FollowerStatus, follow, newest
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS
 
@@ -141,14 +141,14 @@ def test_the_engine_serves_on_through_versions_it_cannot_load_and_loads_the_next
         assert _answer_version(engine.url) == 1
     producer.close()
     lines = (tmp_path / "engine.log").read_text().splitlines()
-    ready = [line for line in lines if "INFO forge_stream.engine.api: engine ready (pid " in line]
+    ready = [line for line in lines if "INFO forge_stream.engine.torch_engine.api: engine ready (pid " in line]
     assert len(ready) == 1 and f"at policy version 0 (cpu, float32); loads each new version of run {run!r} from " \
         f"{TOPICS.policy.name} at {kafka_bootstrap}" in ready[0], lines
-    refused = [line for line in lines if "WARNING forge_stream.engine.follower: policy version 1 at " in line]
+    refused = [line for line in lines if "WARNING forge_stream.engine.shared.follower: policy version 1 at " in line]
     assert len(refused) == len(broken), lines  # one line each
     for (why, checkpoint), line in zip(broken.items(), refused):
         assert f"at {checkpoint} is not served: " in line and why in line and "still serving version 0" in line, line
-    assert any(f"INFO forge_stream.engine.follower: serving policy version 1 from {good}: loaded in "
+    assert any(f"INFO forge_stream.engine.shared.follower: serving policy version 1 from {good}: loaded in "
                in line and "s after it was published" in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
 
@@ -158,9 +158,9 @@ def test_health_is_not_ok_once_the_follower_has_stopped(tiny_model_dir):
     still answers, and /health says it follows nothing."""
     from helpers import serving
 
-    from forge_stream.engine.api import create_app
-    from forge_stream.engine.serving import EngineService
-    from forge_stream.engine.settings import EngineSettings
+    from forge_stream.engine.torch_engine.api import create_app
+    from forge_stream.engine.torch_engine.serving import EngineService
+    from forge_stream.engine.torch_engine.settings import EngineSettings
 
     app = create_app(EngineService.load(EngineSettings(model=str(tiny_model_dir))), policy_bootstrap="localhost:x")
     with serving(app) as url:

@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forge_stream import lora
-from forge_stream.engine.probe import probe_ids
-from forge_stream.engine.vllm_probe import reference_logprobs
-from forge_stream.engine.vllm_runtime import VllmRuntime
-from forge_stream.engine.vllm_state import VllmEngineSettings
+from forge_stream.engine.shared.probe import probe_ids
+from forge_stream.engine.vllm_front.reference_probe import reference_logprobs
+from forge_stream.engine.vllm_front.runtime import VllmRuntime
+from forge_stream.engine.vllm_front.state import VllmEngineSettings
 
 from helpers import adapter_version
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forge_stream import lora
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 from helpers import adapter_version, publish_adapter_version, until
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams, choose, make_generator
+from forge_stream.engine.torch_engine.sampling import MIN_TEMPERATURE, SamplingParams, choose, make_generator
 from forge_stream.sampled_policy import processed_logits, processed_logprobs
 
 
@@ -66,7 +66,7 @@ def test_raw_logprobs_ignore_temperature_processed_ones_do_not():
 
 def test_default_logprobs_are_those_of_the_sampled_distribution():
     """Temperature 0.5, default mode: the logprob is log_softmax(logits / 0.5), not the raw model's."""
-    from forge_stream.engine.settings import EngineSettings
+    from forge_stream.engine.torch_engine.settings import EngineSettings
 
     assert EngineSettings(model="m").logprobs_mode == "processed"
     logits = torch.tensor([2.0, 0.5, -1.0, 0.0])

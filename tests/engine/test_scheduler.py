@@ -6,8 +6,8 @@ import threading
 import pytest
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.sampling import SamplingParams
-from forge_stream.engine.scheduler import Admitted, LoadedModel, Request, Scheduler, TokenEvent
+from forge_stream.engine.torch_engine.sampling import SamplingParams
+from forge_stream.engine.torch_engine.scheduler import Admitted, LoadedModel, Request, Scheduler, TokenEvent
 
 PROMPTS = ["hello world", "The agent reads the weather report before noon.", "def add(a, b):", "x"]
 

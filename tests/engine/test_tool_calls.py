@@ -1,6 +1,6 @@
 import json
 
-from forge_stream.engine.tool_calls import parse_tool_calls
+from forge_stream.engine.shared.tool_calls import parse_tool_calls
 
 
 def test_single_call_with_content_before():

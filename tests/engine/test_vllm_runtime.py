@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from forge_stream.engine.vllm_runtime import MQ_POLL_ENV, VLLM_VERSION, detect_target, runtime, vllm_env
+from forge_stream.engine.vllm_front.runtime import MQ_POLL_ENV, VLLM_VERSION, detect_target, runtime, vllm_env
 from forge_stream.settings import ForgeSettings
 
 
@@ -67,8 +67,8 @@ def test_the_server_command_caches_prefixes_in_small_blocks_on_cpu_hosts(tmp_pat
     """vLLM's CPU default of 128-token KV blocks leaves up to 127 tokens of each agent turn's prompt uncached; the
     engine asks for 32 there (the least vLLM's CPU attention takes), and leaves GPU hosts at vLLM's own."""
     from forge_stream.builders import engine_service
-    from forge_stream.engine.vllm_state import VllmEngineSettings
-    from forge_stream.engine.vllm_runtime import VllmRuntime
+    from forge_stream.engine.vllm_front.state import VllmEngineSettings
+    from forge_stream.engine.vllm_front.runtime import VllmRuntime
     from forge_stream.settings import ForgeSettings
 
     def block_size(target: str, **settings) -> str | None:

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from forge_stream.engine.probe import probe_ids
-from forge_stream.engine.vllm_holds import HOLDS_PREFIX, hold_checkpoint, weights_fingerprint
-from forge_stream.engine.vllm_state import VersionGate
-from forge_stream.engine.vllm_sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
+from forge_stream.engine.shared.probe import probe_ids
+from forge_stream.engine.vllm_front.holds import HOLDS_PREFIX, hold_checkpoint, weights_fingerprint
+from forge_stream.engine.vllm_front.state import VersionGate
+from forge_stream.engine.vllm_front.sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
                                            load_plan, prove)
 from forge_stream.files import remove_orphaned
 from forge_stream.proc import alive
@@ -124,7 +124,7 @@ def test_the_vllm_child_ends_with_its_front(tmp_path):
     front = subprocess.Popen([sys.executable, "-c", (
         "import sys, subprocess, time\n"
         "from forge_stream.proc import start_process\n"
-        "from forge_stream.engine.vllm_engine import _end_with_parent\n"
+        "from forge_stream.engine.vllm_front.app import _end_with_parent\n"
         "child = start_process([sys.executable, '-c', 'import time; time.sleep(120)'], new_session=True,"
         " preexec_fn=_end_with_parent)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
@@ -152,7 +152,7 @@ def test_an_engine_that_cannot_recover_ends_at_once_and_takes_vllm_with_it(tmp_p
         "import asyncio, sys\n"
         "from pathlib import Path\n"
         "from forge_stream.proc import start_process\n"
-        "from forge_stream.engine import vllm_state as ve\n"
+        "from forge_stream.engine.vllm_front import state as ve\n"
         "child = start_process([sys.executable, '-c', 'import time; time.sleep(120)'], new_session=True)\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         f"holds = Path({str(tmp_path / 'held')!r}); holds.mkdir()\n"

@@ -9,8 +9,8 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from forge_stream.engine.process import EngineProcess
-from forge_stream.engine.tool_calls import parse_tool_calls
+from forge_stream.engine.shared.process import EngineProcess
+from forge_stream.engine.shared.tool_calls import parse_tool_calls
 from forge_stream.gateway.settings import GatewaySettings
 from forge_stream.kafka.history import read_completions
 

@@ -5,7 +5,7 @@ import asyncio
 import time
 import uuid
 
-from forge_stream.engine.follower import newest
+from forge_stream.engine.shared.follower import newest
 from forge_stream.kafka.follow import Follower
 from forge_stream.kafka.producer import EventProducer
 from forge_stream.topics import TOPICS

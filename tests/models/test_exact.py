@@ -33,7 +33,7 @@ from early import EARLY
 from helpers import folded_train_sample, group_events, serving, trainer_gaps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.events.prompts import shared_prefix
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.settings import GatewaySettings

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 from early import EARLY
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from forge_stream.engine.tool_calls import parse_tool_calls
+from forge_stream.engine.shared.tool_calls import parse_tool_calls
 from forge_stream.rollout.graders import resolve
 from forge_stream.rollout.sources import load_task_source
 from forge_stream.tasks.suite import DOMAINS, SPLITS, iter_tasks, make_tasks, parse_mix, split_of, template_key

@@ -121,7 +121,7 @@ def test_train_lora_rank_publishes_adapter_versions_the_engine_serves(kafka_boot
     engine, whose answers are the adapter's policy."""
     import httpx
 
-    from forge_stream.engine.process import EngineProcess
+    from forge_stream.engine.shared.process import EngineProcess
     from forge_stream.kafka.history import Slice, read_slice
     from forge_stream.topics import TOPICS
 

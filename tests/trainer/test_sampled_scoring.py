@@ -11,7 +11,7 @@ import torch
 from helpers import folded_train_sample, serving, trainer_gaps
 from transformers import AutoModelForCausalLM
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.gateway.app import create_app
 from forge_stream.gateway.settings import GatewaySettings
 

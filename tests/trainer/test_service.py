@@ -10,7 +10,7 @@ import httpx
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.events import now_ms
 from forge_stream.kafka.history import Slice, read_slice
 from forge_stream.kafka.producer import EventProducer

@@ -17,7 +17,7 @@ from typing import Callable
 import httpx
 import pytest
 
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 from early import EARLY
 from vllm_support import VllmEngine, perturbed_copy

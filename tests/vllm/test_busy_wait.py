@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from forge_stream.bench.cpu import proc_tree_cpu, processes
-from forge_stream.engine.vllm_runtime import MQ_POLL_S, runtime, vllm_env
+from forge_stream.engine.vllm_front.runtime import MQ_POLL_S, runtime, vllm_env
 from forge_stream.settings import ForgeSettings
 
 pytestmark = pytest.mark.slow

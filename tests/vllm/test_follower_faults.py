@@ -1,5 +1,5 @@
-"""Versions real vLLM cannot serve, each failing at its own place in a load (forge_stream.engine.vllm_load): a weight
-file cut short (safetensors' error in the probe's reference, before the drain), a config without `vocab_size` (a
+"""Versions real vLLM cannot serve, each failing at its own place in a load (forge_stream.engine.vllm_front.load): a
+weight file cut short (safetensors' error in the probe's reference, before the drain), a config without `vocab_size` (a
 KeyError parsing it), and a config the reload cannot apply (vLLM reloads weights only: with another RoPE base its
 log-probs differ from transformers', so the probe rolls the version back after the drain). Through all three the
 engine serves its version, awake, /health ok, one log line each; then it loads the next good version.

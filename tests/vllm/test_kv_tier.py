@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from forge_stream import proc
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 from forge_stream.kafka.broker import free_port
 from forge_stream.topics import TOPICS
 
@@ -91,7 +91,7 @@ def _deployed(get):
                       "engines": [f"http://127.0.0.1:{ports['ENGINE'] + i}" for i in range(2)],
                       "gateway": f"http://127.0.0.1:{ports['GATEWAY']}", "host_b": None}
         if redis:  # "host B": a tier of its own on the same second level, and an engine of the same run on it
-            from forge_stream.engine.vllm_runtime import ensure_runtime
+            from forge_stream.engine.vllm_front.runtime import ensure_runtime
             from forge_stream.kvtier import TierSettings, server_argv
             from forge_stream.settings import ForgeSettings
 

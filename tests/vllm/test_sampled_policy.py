@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from forge_stream.engine.vllm_runtime import runtime
+from forge_stream.engine.vllm_front.runtime import runtime
 from forge_stream.sampled_policy import processed_logits
 from forge_stream.settings import ForgeSettings
 

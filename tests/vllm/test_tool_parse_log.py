@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from forge_stream.engine.vllm_runtime import runtime, vllm_env
+from forge_stream.engine.vllm_front.runtime import runtime, vllm_env
 from forge_stream.settings import ForgeSettings
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from forge_stream import lora
-from forge_stream.engine.process import EngineProcess
+from forge_stream.engine.shared.process import EngineProcess
 
 from early import EARLY
 from helpers import adapter_version, publish_adapter_version, until

@@ -18,11 +18,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from xgrammar import CompiledGrammar
 
 from forge_stream import lora
-from forge_stream.engine.constraints import Grammars
-from forge_stream.engine.probe import model_logprobs, not_finite, probe_ids
-from forge_stream.engine.sampling import MIN_TEMPERATURE, SamplingParams
-from forge_stream.engine.scheduler import Admitted, Event, Failed, LoadedModel, Request, Scheduler, TokenEvent
-from forge_stream.engine.settings import EngineSettings
+from forge_stream.engine.torch_engine.constraints import Grammars
+from forge_stream.engine.shared.probe import model_logprobs, not_finite, probe_ids
+from forge_stream.engine.torch_engine.sampling import MIN_TEMPERATURE, SamplingParams
+from forge_stream.engine.torch_engine.scheduler import (Admitted, Event, Failed, LoadedModel, Request, Scheduler,
+                                                       TokenEvent)
+from forge_stream.engine.torch_engine.settings import EngineSettings
 from forge_stream.files import in_store
 from forge_stream.openai_protocol import (
     HealthResponse,
@@ -67,7 +68,7 @@ def _load_model(path: str, settings: EngineSettings):
 
 
 def _load_proven(path: str, settings: EngineSettings):
-    """A new version's model, once its log-probs of the probe sequence (forge_stream.engine.probe) are finite; a
+    """A new version's model, once its log-probs of the probe sequence (forge_stream.engine.shared.probe) are finite; a
     version whose weights hold NaN or inf would answer with garbage, so it is refused (ValueError). The served model
     is this transformers model itself, so there is no second implementation to compare it with, as vLLM's probe
     does."""

@@ -164,7 +164,7 @@ def vllm_env(cache_dir: Path, target: Target, kv_cache_gib: int | None = None,
              mq_poll_s: float | None = None, lora: bool = False) -> dict[str, str]:
     """The environment of a vLLM server process: dev control routes on (the server binds loopback only), the
     compile cache kept under the cache directory, the KV cache size on CPU hosts, forge-stream's worker extension
-    (forge_stream/engine/vllm_ext) importable, how vLLM's step queue waits (vllm_ext/sitecustomize.py): polled
+    (vllm_ext/ beside this module) importable, how vLLM's step queue waits (vllm_ext/sitecustomize.py): polled
     every `mq_poll_s` seconds, by default MQ_POLL_S on CPU hosts (spinning takes a core from the trainer), spinning
     as vLLM has it on GPU hosts; with `lora`, LoRA adapters loaded and unloaded at run time
     (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)."""

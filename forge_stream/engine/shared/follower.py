@@ -1,6 +1,7 @@
-"""How an engine follows the trainer: one loop, for the torch engine (forge_stream.engine.api) and for vLLM
-(forge_stream.engine.vllm_engine), that reads `forge.policy` and moves the engine to each newer version through the
-engine's own `apply` (torch: load the checkpoint; vLLM: hold it, reload and prove it, forge_stream.engine.vllm_load).
+"""How an engine follows the trainer: one loop, for the torch engine (forge_stream.engine.torch_engine.api) and for
+vLLM (forge_stream.engine.vllm_front.app), that reads `forge.policy` and moves the engine to each newer version through
+the engine's own `apply` (torch: load the checkpoint; vLLM: hold it, reload and prove it,
+forge_stream.engine.vllm_front.load).
 
 The loop reads the topic from the beginning without a consumer group (every engine replica must see every version,
 forge_stream.kafka.follow) and keeps the versions of one training run (the record key). What it applies:

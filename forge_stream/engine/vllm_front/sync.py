@@ -7,7 +7,7 @@ The plan, measured against the real server (`tests/vllm/test_weight_sync.py`):
     POST /collective_rpc {"method": "forge_reload_weights", "kwargs": {"weights_path": DIR}}
                                          every worker reloads in place from DIR (an HF directory, same architecture):
                                          vLLM's `reload_weights`, then on CPUs the tied LM head's packed weights
-                                         packed again (forge_stream/engine/vllm_ext/forge_worker.py)
+                                         packed again (forge_stream/engine/vllm_front/vllm_ext/forge_worker.py)
     POST /weight_checker {"action": "checksum"}
                                          the proof: sha256 of every parameter as the workers now hold it
     POST /update_weight_version {"new_version": "V"}      only once the proof holds: `GET /weight_info` says V
@@ -23,7 +23,7 @@ The proof compares vLLM's checksums with the checkpoint's: sha256 over the bytes
 served dtype, for every parameter with the same name in both (vLLM fuses q/k/v and gate/up into one parameter
 each, and on CPUs repacks linear weights into its kernels' layout, reported as an empty tensor; embeddings, norms
 and biases keep the checkpoint's names and bytes). At least one must match and none may differ; the fused ones
-that can be read must have changed since the previous version if the others did. forge_stream.engine.vllm_engine
+that can be read must have changed since the previous version if the others did. forge_stream.engine.vllm_front.app
 adds a second proof once vLLM serves again behind its closed gate: prompt log-probs of a probe sequence.
 """
 

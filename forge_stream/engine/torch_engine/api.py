@@ -30,10 +30,10 @@ from pydantic import BaseModel, ValidationError
 from forge_stream import httpbody
 from forge_stream.credentials import RequireBearer
 
-from forge_stream.engine.follower import Applied, FollowerStatus, NotServed, follow, supervise
-from forge_stream.engine.serving import EngineRequestError, EngineService
-from forge_stream.engine.serving_chat import ChatServing
-from forge_stream.engine.serving_completion import CompletionServing
+from forge_stream.engine.shared.follower import Applied, FollowerStatus, NotServed, follow, supervise
+from forge_stream.engine.torch_engine.serving import EngineRequestError, EngineService
+from forge_stream.engine.torch_engine.serving_chat import ChatServing
+from forge_stream.engine.torch_engine.serving_completion import CompletionServing
 from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     ChatCompletionRequest,
@@ -114,8 +114,8 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> Re
 
 
 def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: FollowerStatus) -> asyncio.Task:
-    """The engine's policy follower (forge_stream.engine.follower): each newer version of run `run` is loaded with
-    `load_weights`; requests in flight finish on the weights they started with."""
+    """The engine's policy follower (forge_stream.engine.shared.follower): each newer version of run `run` is loaded
+    with `load_weights`; requests in flight finish on the weights they started with."""
 
     def served() -> tuple[int, str]:
         return engine.policy_version, engine.scheduler.current.path

@@ -8,9 +8,9 @@ one new token. Tool calls (Hermes format) are parsed when the request lists tool
 choice's final chunk, with finish_reason "tool_calls" (only the first call when `parallel_tool_calls` is false).
 
 `tool_choice` "required" or a named function, and `response_format` json_object / json_schema, are enforced by
-grammar-constrained decoding (forge_stream.engine.constraints, which also says which logprobs are reported);
-values that cannot be enforced are refused with a 400 naming the parameter, as is `ignore_eos` with a grammar
-(a constrained choice ends where its grammar does).
+grammar-constrained decoding (constraints.py, which also says which logprobs are reported); values that cannot be
+enforced are refused with a 400 naming the parameter, as is `ignore_eos` with a grammar (a constrained choice ends
+where its grammar does).
 """
 
 from collections.abc import AsyncIterator
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from xgrammar import CompiledGrammar
 
-from forge_stream.engine.constraints import chat_format, refused_field
-from forge_stream.engine.serving import ChoiceResult, EngineRequestError, EngineService
-from forge_stream.engine.scheduler import Admitted, Failed, TokenEvent
-from forge_stream.engine.tool_calls import TOOL_CALL_START, parse_tool_calls
+from forge_stream.engine.torch_engine.constraints import chat_format, refused_field
+from forge_stream.engine.torch_engine.serving import ChoiceResult, EngineRequestError, EngineService
+from forge_stream.engine.torch_engine.scheduler import Admitted, Failed, TokenEvent
+from forge_stream.engine.shared.tool_calls import TOOL_CALL_START, parse_tool_calls
 from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (
     ChatCompletionLogProb,

@@ -1,7 +1,7 @@
 """What the modules of `forge-stream engine vllm` share: its settings (and the vLLM command line they make), the
 version gate its requests pass, the engine's state, and how the process ends when vLLM cannot go on.
-forge_stream.engine.vllm_engine (the front), forge_stream.engine.vllm_load, forge_stream.engine.vllm_lora and
-forge_stream.engine.vllm_probe (moving vLLM to a policy version, and proving it) build on it.
+app.py (the front), load.py, adapters.py and reference_probe.py (moving vLLM to a policy version, and proving it)
+build on it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
-from forge_stream.engine.follower import FollowerStatus
-from forge_stream.engine.vllm_runtime import VllmRuntime
-from forge_stream.engine.vllm_sync import VllmControl
+from forge_stream.engine.shared.follower import FollowerStatus
+from forge_stream.engine.vllm_front.runtime import VllmRuntime
+from forge_stream.engine.vllm_front.sync import VllmControl
 from forge_stream.kvtier import cache_salt, connector_args, remove_orphaned_kv
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ class VllmEngineSettings:
         if self.tool_call_parser:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         if self.lora_rank:
-            # priority: a new adapter's probe (forge_stream.engine.vllm_probe.sample_next) goes ahead of agents'
-            # waiting requests, which all keep vLLM's default priority and so its first-come order
+            # priority: a new adapter's probe (reference_probe.sample_next) goes ahead of agents' waiting requests,
+            # which all keep vLLM's default priority and so its first-come order
             argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)),
                      "--max-loras", str(MAX_LORAS), "--scheduling-policy", "priority"]
         if self.kv_tier:

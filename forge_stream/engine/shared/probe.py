@@ -1,6 +1,7 @@
 """The probe both engines run on a policy version before they serve it: the log-probs of a fixed token sequence
 (`probe_ids`), which must be finite (a version whose weights hold NaN or inf is refused), and in vLLM must also equal
-the checkpoint's own under transformers within the tolerance of the served dtype (forge_stream.engine.vllm_probe).
+the checkpoint's own under transformers within the tolerance of the served dtype
+(forge_stream.engine.vllm_front.reference_probe).
 
 The tolerance follows the dtype: two implementations of one model (vLLM's kernels and transformers') each round at
 the dtype's precision. SmolLM2-135M on the probe sequence, transformers on a CPU against its own float32: up to

@@ -1,22 +1,22 @@
 """How `forge-stream engine vllm --lora-rank R` moves vLLM to a LoRA adapter version (a run trained with `train
---lora-rank`), and proves it; forge_stream.engine.vllm_load calls `load_adapter` for a version folder that holds an
-adapter (forge_stream.lora.is_adapter).
+--lora-rank`), and proves it; load.py calls `load_adapter` for a version folder that holds an adapter
+(forge_stream.lora.is_adapter).
 
 vLLM serves adapters beside its base model, each under a name of its own, loaded at run time
 (`POST /v1/load_lora_adapter`, with VLLM_ALLOW_RUNTIME_LORA_UPDATING set by the launcher). So a version needs no
 drain and no pause: the adapter is loaded under a new name (`policy-v<version>-<hold>`), proven by the probe
 (vLLM's next-token log-probs under the adapter, batched with the agents' requests, against peft's on this CPU,
-forge_stream.engine.vllm_probe.sample_next and matched_next; peft's pass runs while vLLM loads and samples;
+reference_probe.sample_next and matched_next; peft's pass runs while vLLM loads and samples;
 peft runs the adapter on a base model this front reads from disk at the first adapter version and keeps,
 forge_stream.lora.ResidentBase, so a version costs its adapter's bytes and one forward pass, not a base load),
 and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
 new adapter's name and labelled with its version, whatever model name the agent sent, while those in flight finish
 on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
-already running keep their adapter; a batch holds up to MAX_LORAS adapters, forge_stream.engine.vllm_state). Its
+already running keep their adapter; a batch holds up to MAX_LORAS adapters, state.py). Its
 held folder is kept until the last request sent under it has ended (EngineState.retire), as vLLM reads it again for
 such a request whenever the adapter is not among those it holds. An adapter that cannot be read or proven is
-unloaded again and never announced (the failure is raised for forge_stream.engine.follower to log): the last proven
-version stays served. A version whose adapter is the served one byte for byte (a trainer step
+unloaded again and never announced (the failure is raised for forge_stream.engine.shared.follower to log): the last
+proven version stays served. A version whose adapter is the served one byte for byte (a trainer step
 that changed no weight) is announced on the served adapter.
 """
 
@@ -32,12 +32,12 @@ import httpx
 import torch
 
 from forge_stream import lora
-from forge_stream.engine.follower import Applied, NotServed
-from forge_stream.engine.probe import probe_ids
-from forge_stream.engine.vllm_holds import weights_fingerprint
-from forge_stream.engine.vllm_probe import matched_next, reference_logprobs, sample_next, vocab_size
-from forge_stream.engine.vllm_state import EngineState
-from forge_stream.engine.vllm_sync import WorkerError
+from forge_stream.engine.shared.follower import Applied, NotServed
+from forge_stream.engine.shared.probe import probe_ids
+from forge_stream.engine.vllm_front.holds import weights_fingerprint
+from forge_stream.engine.vllm_front.reference_probe import matched_next, reference_logprobs, sample_next, vocab_size
+from forge_stream.engine.vllm_front.state import EngineState
+from forge_stream.engine.vllm_front.sync import WorkerError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The checkpoints a vLLM engine holds (forge_stream.engine.vllm_engine): a trainer may delete a checkpoint while
+"""The checkpoints a vLLM engine holds (forge_stream.engine.vllm_front.app): a trainer may delete a checkpoint while
 an engine still loads it, or would need it to roll back, so the engine loads from a folder of its own with the
 checkpoint's files (hard links, a copy across file systems), kept while vLLM serves it. The folders live under
 `<cache>/engine-held-<pid>-*`; those of an engine that is gone are removed when the next one starts

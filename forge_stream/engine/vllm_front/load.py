@@ -1,12 +1,11 @@
 """How `forge-stream engine vllm` moves vLLM to a new policy version, and proves it: the vLLM engine's `apply` for
-forge_stream.engine.follower (forge_stream.engine.vllm_engine has the engine front this serves, and why it loads the
-way it does).
+forge_stream.engine.shared.follower (app.py has the engine front this serves, and why it loads the way it does).
 
 `load_version` holds the checkpoint's files, announces a version whose weights are the served ones without a reload
-(`_rename`), and otherwise drains the requests in flight, loads it with the plan of forge_stream.engine.vllm_sync and
-probes it: vLLM's prompt log-probs of a fixed token sequence must match the checkpoint's own under transformers
-(forge_stream.engine.vllm_probe), or the previous checkpoint is loaded back. A version that is a LoRA adapter goes to
-forge_stream.engine.vllm_lora instead: loaded beside the base model under a name of its own, without a drain.
+(`_rename`), and otherwise drains the requests in flight, loads it with the plan of sync.py and probes it: vLLM's
+prompt log-probs of a fixed token sequence must match the checkpoint's own under transformers (reference_probe.py), or
+the previous checkpoint is loaded back. A version that is a LoRA adapter goes to adapters.py instead: loaded beside
+the base model under a name of its own, without a drain.
 
 Whatever fails, and wherever (an unreadable file, an error parsing vLLM's answer, transformers failing on the
 checkpoint), leaves vLLM serving the last proven version, awake, behind an open gate: the held folder is removed,
@@ -23,13 +22,13 @@ import time
 from pathlib import Path
 
 from forge_stream import lora
-from forge_stream.engine.follower import Applied, NotServed
-from forge_stream.engine.probe import probe_ids
-from forge_stream.engine.vllm_holds import hold_checkpoint, weights_fingerprint
-from forge_stream.engine.vllm_lora import load_adapter
-from forge_stream.engine.vllm_probe import probe, reference_logprobs, vocab_size
-from forge_stream.engine.vllm_state import EngineState, exit_engine
-from forge_stream.engine.vllm_sync import Call
+from forge_stream.engine.shared.follower import Applied, NotServed
+from forge_stream.engine.shared.probe import probe_ids
+from forge_stream.engine.vllm_front.holds import hold_checkpoint, weights_fingerprint
+from forge_stream.engine.vllm_front.adapters import load_adapter
+from forge_stream.engine.vllm_front.reference_probe import probe, reference_logprobs, vocab_size
+from forge_stream.engine.vllm_front.state import EngineState, exit_engine
+from forge_stream.engine.vllm_front.sync import Call
 from forge_stream.files import in_store
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
-from forge_stream.engine.sampling import LogprobsMode
+from forge_stream.engine.torch_engine.sampling import LogprobsMode
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class EngineSettings:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    logprobs_mode: LogprobsMode = "processed"  # see forge_stream.engine.sampling
+    logprobs_mode: LogprobsMode = "processed"  # see forge_stream.engine.torch_engine.sampling
     prefix_cache_tokens: int = 65536  # prompt KV kept for reuse by prompts sharing a prefix (0: off)
     # Limits of one request, checked before it is tokenized or scheduled (past one: 400 or 413)
     max_request_bytes: int = 8 * 1024 * 1024  # body size, checked while it is read

@@ -8,9 +8,9 @@ batched forward per policy version over all active sequences of that version: th
 a common length and stacked, an attention mask hides the padding, and each row gets its own position id. The
 stacked cache is kept while the batch membership stays the same and re-packed from per-sequence slices when a
 sequence joins or finishes. A request with a grammar (`tool_choice`, `response_format`) gives each of its choices
-a matcher that masks that row's logits before sampling (forge_stream.engine.constraints). Each sequence is bound
-to the model that admitted it, so after `swap()` new requests use the new weights while running ones finish on
-the old ones; the old model is dropped when its last sequence ends.
+a matcher that masks that row's logits before sampling (constraints.py). Each sequence is bound to the model that
+admitted it, so after `swap()` new requests use the new weights while running ones finish on the old ones; the old
+model is dropped when its last sequence ends.
 
 Results go back through a per-request `sink` callable (the async side wraps an asyncio queue); the loop never
 blocks on a client.
@@ -28,9 +28,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from xgrammar import CompiledGrammar
 
-from forge_stream.engine.constraints import Constraint
-from forge_stream.engine.detok import IncrementalText
-from forge_stream.engine.sampling import LogprobsMode, SamplingParams, choose, make_generator
+from forge_stream.engine.torch_engine.constraints import Constraint
+from forge_stream.engine.torch_engine.detok import IncrementalText
+from forge_stream.engine.torch_engine.sampling import LogprobsMode, SamplingParams, choose, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Request:
     n: int
     sink: Sink
     cancelled: threading.Event = field(default_factory=threading.Event)
-    grammar: CompiledGrammar | None = None  # each choice's output must match it (forge_stream.engine.constraints)
+    grammar: CompiledGrammar | None = None  # each choice's output must match it (constraints.py)
 
 
 @dataclass(eq=False)

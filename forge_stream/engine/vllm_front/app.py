@@ -1,7 +1,7 @@
 """`forge-stream engine vllm`: real vLLM as a forge-stream rollout engine.
 
 One process per vLLM server. It starts `vllm.entrypoints.openai.api_server` from the vLLM runtime
-(forge_stream.engine.vllm_runtime) on a private Unix socket, with dev control routes on, and serves in front of
+(forge_stream.engine.vllm_front.runtime) on a private Unix socket, with dev control routes on, and serves in front of
 it the engine protocol the gateway speaks to the torch engine: `/v1/chat/completions`, `/v1/completions`,
 `/v1/models`, `/health`. What it adds to vLLM's answers, and why it sits in front:
 
@@ -9,14 +9,13 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   adds `policy_version` to every response and stream chunk. The version is exact: a `VersionGate` lets requests
   through only while no update runs, and an update starts only once the requests in flight have ended.
 - **Weights follow the trainer.** It follows forge.policy with the torch engine's follower
-  (forge_stream.engine.follower: every version of one run, the newest first), loads each newer checkpoint with the
-  plan of forge_stream.engine.vllm_sync and proves it twice before the gate opens under the new version: vLLM's
+  (forge_stream.engine.shared.follower: every version of one run, the newest first), loads each newer checkpoint with
+  the plan of sync.py and proves it twice before the gate opens under the new version: vLLM's
   weight checksums against the checkpoint's, then vLLM's prompt log-probs of a probe sequence against the
   checkpoint's own (transformers, computed before the pause). A version that cannot be proven, or whose load fails
   in any way, is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
   its supervisor starts it afresh (vLLM stopped first: it would otherwise outlive its front). The load path is
-  forge_stream.engine.vllm_load; what its modules share, forge_stream.engine.vllm_state. /health is not ok once
-  the follower has stopped.
+  load.py; what its modules share, state.py. /health is not ok once the follower has stopped.
 - **A trainer faster than the reloads** (a load takes seconds; the trainer may publish and rotate its checkpoints
   away meanwhile): each load starts from the newest version published, and the engine first holds the checkpoint
   it loads, hard links to its files (a copy across file systems) in a folder of its own, kept while vLLM serves
@@ -30,7 +29,7 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
 - **LoRA versions in about a second** (`lora_rank`, a run trained with `train --lora-rank`): vLLM starts with LoRA
   enabled, each adapter version is loaded at run time under a name of its own, proven with the same probe (the
   reference computed with peft), and served without a drain: requests entering the gate after the switch go to the
-  new adapter, those in flight finish on theirs (forge_stream.engine.vllm_lora).
+  new adapter, those in flight finish on theirs (forge_stream.engine.vllm_front.adapters).
 - **Any model name.** Agents name whatever model they like; requests are sent to vLLM under its served name, or the
   name of the adapter that serves the version they entered under.
 - **No spinning on CPU hosts.** vLLM's engine core and worker hand each step over through a shared-memory queue
@@ -70,13 +69,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from forge_stream.credentials import RequireBearer
-from forge_stream.engine.follower import follow, supervise
-from forge_stream.engine.vllm_holds import HOLDS_PREFIX
-from forge_stream.engine.vllm_load import load_version
-from forge_stream.engine.vllm_runtime import vllm_env
-from forge_stream.engine.vllm_state import (PRIVATE_PREFIX, SOCKET_PATH_MAX, EngineState, VersionGate,
+from forge_stream.engine.shared.follower import follow, supervise
+from forge_stream.engine.vllm_front.holds import HOLDS_PREFIX
+from forge_stream.engine.vllm_front.load import load_version
+from forge_stream.engine.vllm_front.runtime import vllm_env
+from forge_stream.engine.vllm_front.state import (PRIVATE_PREFIX, SOCKET_PATH_MAX, EngineState, VersionGate,
                                             VllmEngineSettings, exit_engine, remove_folders, stop_vllm)
-from forge_stream.engine.vllm_sync import VllmControl, WorkerError
+from forge_stream.engine.vllm_front.sync import VllmControl, WorkerError
 from forge_stream.files import remove_orphaned
 from forge_stream.kvtier import remove_orphaned_kv
 from forge_stream.openai_error import error_body

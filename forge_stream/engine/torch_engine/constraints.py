@@ -38,7 +38,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from forge_stream.engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START
+from forge_stream.engine.shared.tool_calls import TOOL_CALL_END, TOOL_CALL_START
 from forge_stream.openai_protocol import named_tool
 
 # vLLM's own structured-output request fields: this engine enforces the OpenAI ones only, and refuses these

@@ -1,7 +1,7 @@
 """The second proof of a loaded policy version in `forge-stream engine vllm`: vLLM's log-probs of the probe sequence
-(forge_stream.engine.probe) must equal the version's own, computed with transformers (full weights) or peft (a LoRA
-adapter on its base model) on this host's CPU, within the tolerance of the served dtype.
-forge_stream.engine.vllm_load (full weights) and forge_stream.engine.vllm_lora (adapters) use it.
+(forge_stream.engine.shared.probe) must equal the version's own, computed with transformers (full weights) or peft (a
+LoRA adapter on its base model) on this host's CPU, within the tolerance of the served dtype. load.py (full weights)
+and adapters.py (adapters) use it.
 
 Full weights are proven on the prompt log-probs of the whole sequence (`probe`), sent while the load holds every other
 request. An adapter is loaded while agents keep sampling, and vLLM 0.32's CPU LoRA kernels cannot compute prompt
@@ -17,9 +17,9 @@ from pathlib import Path
 import orjson
 
 from forge_stream import lora
-from forge_stream.engine.probe import PROBE_TOKENS, model_logprob_rows, sequence_logprobs, worst_difference
-from forge_stream.engine.vllm_state import EngineState, VllmEngineSettings
-from forge_stream.engine.vllm_sync import WorkerError
+from forge_stream.engine.shared.probe import PROBE_TOKENS, model_logprob_rows, sequence_logprobs, worst_difference
+from forge_stream.engine.vllm_front.state import EngineState, VllmEngineSettings
+from forge_stream.engine.vllm_front.sync import WorkerError
 
 NEXT_PREFIXES = (12, 24, 36, PROBE_TOKENS)  # sample_next: the prefixes whose next-token distribution is compared
 NEXT_TOP = 20  # sample_next: log-probs compared after each prefix (vLLM's most likely tokens)
@@ -55,7 +55,7 @@ def vocab_size(model_dir: str | Path) -> int:
 async def probe(state: EngineState, ids: list[int], expected: list[float], model: str | None = None) -> float:
     """vLLM's prompt log-probs of `ids` under `model` (default: the served name; sent straight to vLLM, not through
     the gate) against `expected` (reference_logprobs); the largest difference, or WorkerError if they do not match
-    (forge_stream.engine.probe.worst_difference)."""
+    (forge_stream.engine.shared.probe.worst_difference)."""
     response = await state.control.client.post(state.vllm_url + "/v1/completions", json={
         "model": model or state.settings.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0,
         "temperature": 1.0})
