@@ -227,7 +227,7 @@ def test_a_reload_that_fails_inside_vllm_is_resumed_and_rolled_back(vllm_engine,
     """The plan's failure path against the real server: a reload from a folder that vanished fails inside vLLM's
     worker (it takes the path for a hub repo id), which leaves vLLM paused and breaks its HTTP connection; the
     control resumes it on a fresh connection and loads the served weights back."""
-    from forge_stream.engine.vllm_front.sync import Call, VllmControl, WorkerError
+    from forge_stream.engine.vllm_front.load_plan import Call, VllmControl, WorkerError
 
     url, transport = "http://vllm", httpx.AsyncHTTPTransport(uds=str(vllm_socket(vllm_engine.log)))
     vllm_engine.push_version(checkpoints[1])

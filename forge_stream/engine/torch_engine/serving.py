@@ -18,8 +18,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from xgrammar import CompiledGrammar
 
 from forge_stream import lora
-from forge_stream.engine.torch_engine.constraints import Grammars
 from forge_stream.engine.shared.probe import model_logprobs, not_finite, probe_ids
+from forge_stream.engine.torch_engine.constraints import Grammars
 from forge_stream.engine.torch_engine.sampling import MIN_TEMPERATURE, SamplingParams
 from forge_stream.engine.torch_engine.scheduler import (Admitted, Event, Failed, LoadedModel, Request, Scheduler,
                                                        TokenEvent)

@@ -35,9 +35,9 @@ from forge_stream import lora
 from forge_stream.engine.shared.follower import Applied, NotServed
 from forge_stream.engine.shared.probe import probe_ids
 from forge_stream.engine.vllm_front.holds import weights_fingerprint
+from forge_stream.engine.vllm_front.load_plan import WorkerError
 from forge_stream.engine.vllm_front.reference_probe import matched_next, reference_logprobs, sample_next, vocab_size
 from forge_stream.engine.vllm_front.state import EngineState
-from forge_stream.engine.vllm_front.sync import WorkerError
 
 log = logging.getLogger(__name__)
 

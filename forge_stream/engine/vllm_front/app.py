@@ -10,7 +10,7 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
   through only while no update runs, and an update starts only once the requests in flight have ended.
 - **Weights follow the trainer.** It follows forge.policy with the torch engine's follower
   (forge_stream.engine.shared.follower: every version of one run, the newest first), loads each newer checkpoint with
-  the plan of sync.py and proves it twice before the gate opens under the new version: vLLM's
+  the plan of load_plan.py and proves it twice before the gate opens under the new version: vLLM's
   weight checksums against the checkpoint's, then vLLM's prompt log-probs of a probe sequence against the
   checkpoint's own (transformers, computed before the pause). A version that cannot be proven, or whose load fails
   in any way, is not announced: the previous checkpoint is loaded back, and if that fails too the process exits so
@@ -72,10 +72,10 @@ from forge_stream.credentials import RequireBearer
 from forge_stream.engine.shared.follower import follow, supervise
 from forge_stream.engine.vllm_front.holds import HOLDS_PREFIX
 from forge_stream.engine.vllm_front.load import load_version
+from forge_stream.engine.vllm_front.load_plan import VllmControl, WorkerError
 from forge_stream.engine.vllm_front.runtime import vllm_env
 from forge_stream.engine.vllm_front.state import (PRIVATE_PREFIX, SOCKET_PATH_MAX, EngineState, VersionGate,
-                                            VllmEngineSettings, exit_engine, remove_folders, stop_vllm)
-from forge_stream.engine.vllm_front.sync import VllmControl, WorkerError
+                                                  VllmEngineSettings, exit_engine, remove_folders, stop_vllm)
 from forge_stream.files import remove_orphaned
 from forge_stream.kvtier import remove_orphaned_kv
 from forge_stream.openai_error import error_body

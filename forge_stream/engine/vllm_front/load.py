@@ -2,7 +2,7 @@
 forge_stream.engine.shared.follower (app.py has the engine front this serves, and why it loads the way it does).
 
 `load_version` holds the checkpoint's files, announces a version whose weights are the served ones without a reload
-(`_rename`), and otherwise drains the requests in flight, loads it with the plan of sync.py and probes it: vLLM's
+(`_rename`), and otherwise drains the requests in flight, loads it with the plan of load_plan.py and probes it: vLLM's
 prompt log-probs of a fixed token sequence must match the checkpoint's own under transformers (reference_probe.py), or
 the previous checkpoint is loaded back. A version that is a LoRA adapter goes to adapters.py instead: loaded beside
 the base model under a name of its own, without a drain.
@@ -24,11 +24,11 @@ from pathlib import Path
 from forge_stream import lora
 from forge_stream.engine.shared.follower import Applied, NotServed
 from forge_stream.engine.shared.probe import probe_ids
-from forge_stream.engine.vllm_front.holds import hold_checkpoint, weights_fingerprint
 from forge_stream.engine.vllm_front.adapters import load_adapter
+from forge_stream.engine.vllm_front.holds import hold_checkpoint, weights_fingerprint
+from forge_stream.engine.vllm_front.load_plan import Call
 from forge_stream.engine.vllm_front.reference_probe import probe, reference_logprobs, vocab_size
 from forge_stream.engine.vllm_front.state import EngineState, exit_engine
-from forge_stream.engine.vllm_front.sync import Call
 from forge_stream.files import in_store
 
 log = logging.getLogger(__name__)

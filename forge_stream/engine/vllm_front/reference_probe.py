@@ -18,8 +18,8 @@ import orjson
 
 from forge_stream import lora
 from forge_stream.engine.shared.probe import PROBE_TOKENS, model_logprob_rows, sequence_logprobs, worst_difference
+from forge_stream.engine.vllm_front.load_plan import WorkerError
 from forge_stream.engine.vllm_front.state import EngineState, VllmEngineSettings
-from forge_stream.engine.vllm_front.sync import WorkerError
 
 NEXT_PREFIXES = (12, 24, 36, PROBE_TOKENS)  # sample_next: the prefixes whose next-token distribution is compared
 NEXT_TOP = 20  # sample_next: log-probs compared after each prefix (vLLM's most likely tokens)

@@ -21,8 +21,8 @@ import aiohttp
 
 from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.shared.follower import FollowerStatus
+from forge_stream.engine.vllm_front.load_plan import VllmControl
 from forge_stream.engine.vllm_front.runtime import VllmRuntime
-from forge_stream.engine.vllm_front.sync import VllmControl
 from forge_stream.kvtier import cache_salt, connector_args, remove_orphaned_kv
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""The pure parts of the vLLM weight sync: the plan, the checksum proof, the version gate of `engine vllm`, its
-held checkpoints and its vLLM child's end.
+"""The pure parts of how the vLLM front loads a version: the load plan, the checksum proof, the version gate of
+`engine vllm`, its held checkpoints and its vLLM child's end.
 What they do against the real server is tested in tests/vllm/."""
 
 import asyncio
@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 
 from forge_stream.engine.shared.probe import probe_ids
 from forge_stream.engine.vllm_front.holds import HOLDS_PREFIX, hold_checkpoint, weights_fingerprint
+from forge_stream.engine.vllm_front.load_plan import (EMPTY, WorkerError, announce_plan, checkpoint_digests,
+                                                      comparable, load_plan, prove)
 from forge_stream.engine.vllm_front.state import VersionGate
-from forge_stream.engine.vllm_front.sync import (EMPTY, WorkerError, announce_plan, checkpoint_digests, comparable,
-                                           load_plan, prove)
 from forge_stream.files import remove_orphaned
 from forge_stream.proc import alive
 
