@@ -1,7 +1,7 @@
 """`forge-stream bench engine`: decode throughput of the local engine, one request at a time vs batched.
 
 Builds the tiny model in a temporary directory (or uses `model_dir`), runs `requests` greedy requests of
-`max_tokens` tokens through the scheduler first one by one, then all at once, and reports tokens per second.
+`max_tokens` tokens through the batcher first one by one, then all at once, and reports tokens per second.
 Then agent-shaped requests (the task suite's system prompt, tools and question, about 250 prompt tokens, up to
 32 sampled tokens), all at once, with the prefix cache off and on: requests per second of each.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from forge_stream.engine.torch_engine.batcher import Batcher, LoadedModel, Request, TokenEvent
 from forge_stream.engine.torch_engine.sampling import SamplingParams
-from forge_stream.engine.torch_engine.scheduler import LoadedModel, Request, Scheduler, TokenEvent
 from forge_stream.tiny.model import init_tiny_model
 
 
-def _run_all(scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
+def _run_all(batcher: Batcher, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
     done = threading.Semaphore(0)
     produced = [0]
 
@@ -30,7 +30,7 @@ def _run_all(scheduler: Scheduler, prompts: list[list[int]], params: SamplingPar
 
     started = time.perf_counter()
     for prompt in prompts:
-        scheduler.submit(Request(prompt, params, 1, sink))
+        batcher.submit(Request(prompt, params, 1, sink))
     for _ in prompts:
         done.acquire()
     return produced[0], time.perf_counter() - started
@@ -43,25 +43,25 @@ def run(requests: int = 16, max_tokens: int = 64, model_dir: str | None = None, 
             init_tiny_model(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
-        scheduler = Scheduler(LoadedModel(model, 0, str(path)),
-                              decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
-                              eos_ids={tokenizer.eos_token_id}, max_batch_size=requests, max_model_len=4096)
-        scheduler.start()
+        batcher = Batcher(LoadedModel(model, 0, str(path)),
+                          decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+                          eos_ids={tokenizer.eos_token_id}, max_batch_size=requests, max_model_len=4096)
+        batcher.start()
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
         prompts = [tokenizer.encode(f"Request {i}: the agent reads the weather report.") for i in range(requests)]
-        _run_all(scheduler, prompts[:2], params)
+        _run_all(batcher, prompts[:2], params)
         one_tokens, one_s = 0, 0.0
         for prompt in prompts:
-            tokens, seconds = _run_all(scheduler, [prompt], params)
+            tokens, seconds = _run_all(batcher, [prompt], params)
             one_tokens, one_s = one_tokens + tokens, one_s + seconds
-        batch_tokens, batch_s = _run_all(scheduler, prompts, params)
-        scheduler.stop()
+        batch_tokens, batch_s = _run_all(batcher, prompts, params)
+        batcher.stop()
         agent_rates = {}
         for cache_tokens in (0, 65536):
-            agent = Scheduler(LoadedModel(model, 0, str(path)),
-                              decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
-                              eos_ids={tokenizer.eos_token_id}, max_batch_size=64, max_model_len=4096,
-                              prefix_cache_tokens=cache_tokens)
+            agent = Batcher(LoadedModel(model, 0, str(path)),
+                            decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
+                            eos_ids={tokenizer.eos_token_id}, max_batch_size=64, max_model_len=4096,
+                            prefix_cache_tokens=cache_tokens)
             agent.start()
             chat = _agent_prompts(tokenizer, agent_requests)
             _, seconds = _run_all(agent, chat, SamplingParams(max_tokens=32, temperature=1.0, seed=0))
@@ -73,7 +73,7 @@ def run(requests: int = 16, max_tokens: int = 64, model_dir: str | None = None, 
         "sequential_tokens_per_s": round(one_tokens / one_s, 1),
         "batched_tokens_per_s": round(batch_tokens / batch_s, 1),
         "speedup": round((batch_tokens / batch_s) / (one_tokens / one_s), 2),
-        "max_batch": scheduler.stats.max_batch,
+        "max_batch": batcher.stats.max_batch,
         "agent_requests": agent_requests,
         "agent_requests_per_s_no_prefix_cache": round(agent_rates[0], 1),
         "agent_requests_per_s_prefix_cache": round(agent_rates[65536], 1),

@@ -71,16 +71,16 @@ def _model(spec: str):
 def engine(
     requests: int = typer.Option(None, help="Requests of a batched run (default: 16; with --engine vllm, 256 agent "
                                             "requests per phase at 64 in flight)."),
-    max_tokens: int = typer.Option(64, help="Tokens per request (the scheduler's runs; agent requests take 32)."),
+    max_tokens: int = typer.Option(64, help="Tokens per request (the batcher's runs; agent requests take 32)."),
     model_dir: str = typer.Option(None, "--model-dir", "--model", help="Model directory or a known model "
                                                                       "(smollm2-135m; default: a fresh tiny model)."),
     engine_kind: str = typer.Option(None, "--engine", help="vllm: real vLLM and the torch engine side by side over "
                                                            "HTTP, alternating (default: the torch engine's "
-                                                           "scheduler alone, in this process)."),
+                                                           "batcher alone, in this process)."),
     rounds: int = typer.Option(2, min=1, help="With --engine vllm: phases per engine and concurrency."),
     as_json: bool = typer.Option(False, "--json", help="Print compact JSON."),
 ) -> None:
-    """Engine throughput: the torch engine's scheduler (one request at a time vs batched), or with --engine vllm
+    """Engine throughput: the torch engine's batcher (one request at a time vs batched), or with --engine vllm
     real vLLM beside the torch engine at 1 and 64 requests in flight."""
     if engine_kind not in (None, "torch", "vllm"):
         typer.echo(f"--engine takes vllm or torch, not {engine_kind!r}", err=True)

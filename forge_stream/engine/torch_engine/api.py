@@ -118,7 +118,7 @@ def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: Foll
     with `load_weights`; requests in flight finish on the weights they started with."""
 
     def served() -> tuple[int, str]:
-        return engine.policy_version, engine.scheduler.current.path
+        return engine.policy_version, engine.batcher.current.path
 
     async def apply(checkpoint: str, version: int) -> Applied:
         try:
@@ -131,7 +131,7 @@ def _follow_policy(engine: EngineService, bootstrap: str, run: str, status: Foll
 
 
 def create_app(engine: EngineService, policy_bootstrap: str | None = None, policy_run: str = "default") -> FastAPI:
-    """An app serving `engine`; the scheduler thread (and, with `policy_bootstrap`, a follower of forge.policy
+    """An app serving `engine`; the batcher's thread (and, with `policy_bootstrap`, a follower of forge.policy
     that loads each newer published version) runs for the app's lifespan."""
     status = FollowerStatus() if policy_bootstrap else None
 
@@ -139,7 +139,7 @@ def create_app(engine: EngineService, policy_bootstrap: str | None = None, polic
     async def lifespan(app: FastAPI):
         engine.start()
         watcher = _follow_policy(engine, policy_bootstrap, policy_run, status) if policy_bootstrap else None
-        settings, path = engine.settings, engine.scheduler.current.path
+        settings, path = engine.settings, engine.batcher.current.path
         log.info("engine ready (pid %d) on %s:%d: model %s at policy version %d (%s, %s); %s", os.getpid(),
                  settings.host, settings.port, path if settings.model_name == path else f"{settings.model_name} "
                  f"from {path}", engine.policy_version, settings.device, settings.dtype,

@@ -1,7 +1,7 @@
-"""The engine service: OpenAI requests in, scheduler requests out, OpenAI responses and SSE chunks back.
+"""The engine service: OpenAI requests in, batcher requests out, OpenAI responses and SSE chunks back.
 
 No FastAPI here: the router in `api.py` calls these methods. The service owns the tokenizer, the chat
-template, the scheduler and the current policy version; `load_weights` is the one method both the admin
+template, the batcher and the current policy version; `load_weights` is the one method both the admin
 endpoint and a forge.policy watcher call to move to new weights.
 """
 
@@ -19,10 +19,9 @@ from xgrammar import CompiledGrammar
 
 from forge_stream import lora
 from forge_stream.engine.shared.probe import model_logprobs, not_finite, probe_ids
+from forge_stream.engine.torch_engine.batcher import Admitted, Batcher, Event, Failed, LoadedModel, Request, TokenEvent
 from forge_stream.engine.torch_engine.constraints import Grammars
 from forge_stream.engine.torch_engine.sampling import MIN_TEMPERATURE, SamplingParams
-from forge_stream.engine.torch_engine.scheduler import (Admitted, Event, Failed, LoadedModel, Request, Scheduler,
-                                                       TokenEvent)
 from forge_stream.engine.torch_engine.settings import EngineSettings
 from forge_stream.files import in_store
 from forge_stream.openai_protocol import (
@@ -82,12 +81,12 @@ def _load_proven(path: str, settings: EngineSettings):
 class EngineService:
     """Generation, model listing and weight reloads for one served model."""
 
-    def __init__(self, settings: EngineSettings, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler,
+    def __init__(self, settings: EngineSettings, tokenizer: PreTrainedTokenizerBase, batcher: Batcher,
                  max_model_len: int, grammars: Grammars):
         self.settings = settings
         self.tokenizer = tokenizer
         self.grammars = grammars
-        self.scheduler = scheduler
+        self.batcher = batcher
         self.max_model_len = max_model_len
         self._reload_lock = asyncio.Lock()
         # one thread parses and tokenizes requests, so a large one never stalls the event loop (health, streams)
@@ -114,7 +113,7 @@ class EngineService:
         max_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
         eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
         eos = {i for i in eos if i is not None}
-        scheduler = Scheduler(
+        batcher = Batcher(
             LoadedModel(model, settings.policy_version, settings.model),
             decode=lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip),
             eos_ids=eos,
@@ -124,17 +123,17 @@ class EngineService:
             device=settings.device,
             prefix_cache_tokens=settings.prefix_cache_tokens,
         )
-        return cls(settings, tokenizer, scheduler, max_len, Grammars(tokenizer, model.config.vocab_size, eos))
+        return cls(settings, tokenizer, batcher, max_len, Grammars(tokenizer, model.config.vocab_size, eos))
 
     def start(self) -> None:
-        self.scheduler.start()
+        self.batcher.start()
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self.batcher.stop()
 
     @property
     def policy_version(self) -> int:
-        return self.scheduler.current.version
+        return self.batcher.current.version
 
     # ----- generation ------------------------------------------------------------------------------------
 
@@ -143,7 +142,7 @@ class EngineService:
         """Events of one request: Admitted, then TokenEvents until all n choices finished (or Failed); with a
         grammar, each choice's tokens match it.
 
-        Leaving the iteration early (client gone) cancels the request in the scheduler.
+        Leaving the iteration early (client gone) cancels the request in the batcher.
         """
         if not prompt_ids:
             raise EngineRequestError("The prompt is empty.", param="prompt")
@@ -153,7 +152,7 @@ class EngineService:
         events: asyncio.Queue[Event] = asyncio.Queue()
         request = Request(prompt_ids=prompt_ids, params=params, n=n, grammar=grammar,
                           sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        self.scheduler.submit(request)
+        self.batcher.submit(request)
         running = n
         try:
             while running:
@@ -228,9 +227,9 @@ class EngineService:
         return ModelList(data=[card])
 
     def health(self) -> HealthResponse:
-        stats = self.scheduler.stats
+        stats = self.batcher.stats
         return HealthResponse(model=self.settings.model_name, policy_version=self.policy_version,
-                              active_sequences=self.scheduler.active_versions(),
+                              active_sequences=self.batcher.active_versions(),
                               stats={k: int(v) for k, v in vars(stats).items()})
 
     async def load_weights(self, path: str, version: int) -> LoadWeightsResponse:
@@ -251,7 +250,7 @@ class EngineService:
                 model = await asyncio.to_thread(_load_proven, path, self.settings)
             except (OSError, ValueError) as exc:
                 raise EngineRequestError(f"Cannot load {path!r}: {exc}", param="path") from exc
-            self.scheduler.swap(LoadedModel(model, version, path))
+            self.batcher.swap(LoadedModel(model, version, path))
             return LoadWeightsResponse(policy_version=version, previous_version=previous, path=path,
                                        load_seconds=round(time.perf_counter() - started, 4))
 

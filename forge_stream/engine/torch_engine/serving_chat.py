@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from xgrammar import CompiledGrammar
 
 from forge_stream.engine.shared.tool_calls import TOOL_CALL_START, parse_tool_calls
+from forge_stream.engine.torch_engine.batcher import Admitted, Failed, TokenEvent
 from forge_stream.engine.torch_engine.constraints import chat_format, refused_field
-from forge_stream.engine.torch_engine.scheduler import Admitted, Failed, TokenEvent
 from forge_stream.engine.torch_engine.serving import ChoiceResult, EngineRequestError, EngineService
 from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (

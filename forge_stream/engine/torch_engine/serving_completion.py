@@ -10,9 +10,9 @@ chunk's new token). `policy_version` is that of the oldest weights used by any o
 import asyncio
 from collections.abc import AsyncIterator
 
+from forge_stream.engine.torch_engine.batcher import Admitted, Event, Failed, TokenEvent
 from forge_stream.engine.torch_engine.constraints import VLLM_FIELDS, refused_field
 from forge_stream.engine.torch_engine.sampling import SamplingParams
-from forge_stream.engine.torch_engine.scheduler import Admitted, Event, Failed, TokenEvent
 from forge_stream.engine.torch_engine.serving import ChoiceResult, EngineRequestError, EngineService
 from forge_stream.openai_error import error_body
 from forge_stream.openai_protocol import (

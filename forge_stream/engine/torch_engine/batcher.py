@@ -206,7 +206,7 @@ class PrefixCache:
 
 
 @dataclass
-class SchedulerStats:
+class BatcherStats:
     """Counters that show batching happened (read by /health and tests)."""
 
     requests: int = 0
@@ -218,7 +218,7 @@ class SchedulerStats:
     max_batch: int = 0
 
 
-class Scheduler:
+class Batcher:
     """Runs the generation loop in a worker thread; `submit` and `swap` are safe from any thread."""
 
     def __init__(self, loaded: LoadedModel, decode: Callable[[list[int], bool], str], eos_ids: set[int],
@@ -236,8 +236,8 @@ class Scheduler:
         self._active: list[_Sequence] = []
         self._batches: dict[int, _Batch] = {}
         self._prefixes = PrefixCache(prefix_cache_tokens)
-        self._thread = threading.Thread(target=self._run, name="forge-engine-scheduler", daemon=True)
-        self.stats = SchedulerStats()
+        self._thread = threading.Thread(target=self._run, name="forge-engine-batcher", daemon=True)
+        self.stats = BatcherStats()
 
     def start(self) -> None:
         self._thread.start()
