@@ -47,16 +47,16 @@ def probe_command(
                                  "answer length, a reasoning template) instead of per domain."),
 ) -> None:
     """Teacher-forced: per domain (or kind of task) and turn, how likely the policy produces the ideal turn, and its
-    worst tokens (forge_stream/trainer/probe.py)."""
+    worst tokens (forge_stream/trainer/teacher_forced.py)."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from forge_stream.cli.options import settings
-    from forge_stream.trainer.probe import probe
     from forge_stream.tasks.suite import parse_mix
+    from forge_stream.trainer.teacher_forced import score_ideal_turns
 
     path = model or settings(None).model_dir
-    report = probe(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), n, seed,
-                   parse_mix(mix), difficulty, by_kind=by_kind)
+    report = score_ideal_turns(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), n,
+                               seed, parse_mix(mix), difficulty, by_kind=by_kind)
     typer.echo(json.dumps(report, indent=1))

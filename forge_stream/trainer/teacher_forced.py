@@ -1,4 +1,4 @@
-"""Teacher-forced probe: which parts of the ideal conversation a policy already gets right.
+"""Teacher-forced scoring of ideal conversations: which parts of them a policy already gets right.
 
 For each test task the scripted teacher's conversation (forge_stream.tasks.teacher) is rendered exactly as SFT
 renders it, and the policy scores each assistant turn's tokens given the right prefix. Per domain and turn it
@@ -41,9 +41,9 @@ class TurnStats:
     by_kind: dict[str, TokenStats] = field(default_factory=lambda: collections.defaultdict(TokenStats))
 
 
-def probe(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] | None = None,
-          difficulty: int = 1, worst: int = 10, by_kind: bool = False) -> dict:
-    """The probe's report: {"turns": {"<domain>/<turn>": {...}}, "worst_tokens": [...]}; with by_kind, the turns are
+def score_ideal_turns(model, tokenizer, n: int = 150, seed: int = 0, mix: dict[str, float] | None = None,
+                      difficulty: int = 1, worst: int = 10, by_kind: bool = False) -> dict:
+    """The report: {"turns": {"<domain>/<turn>": {...}}, "worst_tokens": [...]}; with by_kind, the turns are
     "<kind>/<turn>"."""
     stats: dict[tuple[str, int], TurnStats] = collections.defaultdict(TurnStats)
     misses: collections.Counter = collections.Counter()
