@@ -55,7 +55,8 @@ def bad_request(message: str) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error")
 
 
-def error_body(kind: str, message: str) -> bytes:
+def anthropic_error_body(kind: str, message: str) -> bytes:
+    """The JSON body of an error in Anthropic's shape (OpenAI's is forge_stream.openai_error.error_body)."""
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
@@ -75,7 +76,7 @@ def anthropic_error(status: int, message: str, retry_after: int | None = None, r
             pass
     status = 400 if status == 422 else status
     kind = _ERROR_TYPES.get(status, "api_error")
-    return GatewayError(status, message, kind, retry_after=retry_after, raw=error_body(kind, message))
+    return GatewayError(status, message, kind, retry_after=retry_after, raw=anthropic_error_body(kind, message))
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -347,8 +348,8 @@ class EventStream:
 def fail(error: dict) -> bytes:
     """The `error` event of a stream whose engine or Kafka failed (nothing was recorded)."""
     message = str(error.get("message") or "The message failed.")
-    return b"event: error\ndata: " + error_body(_STREAM_ERROR_TYPES.get(error.get("type"), "api_error"),
-                                                message) + b"\n\n"
+    return b"event: error\ndata: " + anthropic_error_body(_STREAM_ERROR_TYPES.get(error.get("type"), "api_error"),
+                                                          message) + b"\n\n"
 
 
 async def events(message_id: str, body: dict, chat: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
