@@ -40,14 +40,14 @@ def model_logprob_rows(model, ids: list[int]):
         return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float().log_softmax(-1)
 
 
-def sequence_logprobs(rows, ids: list[int]) -> list[float]:
+def logprobs_from_rows(rows, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1, read from model_logprob_rows(model, ids)."""
     return [rows[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
 def model_logprobs(model, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 under a transformers causal LM (on its own device)."""
-    return sequence_logprobs(model_logprob_rows(model, ids), ids)
+    return logprobs_from_rows(model_logprob_rows(model, ids), ids)
 
 
 def not_finite(logprobs: list[float]) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 
 from forge_stream import lora
-from forge_stream.engine.shared.probe import PROBE_TOKENS, model_logprob_rows, sequence_logprobs, worst_difference
+from forge_stream.engine.shared.probe import PROBE_TOKENS, logprobs_from_rows, model_logprob_rows, worst_difference
 from forge_stream.engine.vllm_front.load_plan import WorkerError
 from forge_stream.engine.vllm_front.state import EngineState, VllmEngineSettings
 
@@ -63,7 +63,7 @@ async def probe(state: EngineState, ids: list[int], expected: list[float], model
         raise WorkerError(f"probe request: HTTP {response.status_code} {response.text[:300]}")
     served = response.json()["choices"][0]["prompt_logprobs"]
     got = [served[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    return _matched(got, sequence_logprobs(expected, ids), state)
+    return _matched(got, logprobs_from_rows(expected, ids), state)
 
 
 async def sample_next(state: EngineState, ids: list[int], model: str) -> list[tuple[int, dict[int, float]]]:
