@@ -34,6 +34,8 @@ def contains(task: dict, output: str) -> float:
     return float(str(task.get("answer", "")).strip().lower() in output.lower())
 
 
+# a number as a reply or an answer writes it, an integer or a decimal (a question's integer operands:
+# forge_stream.tasks.suite.INTEGER)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

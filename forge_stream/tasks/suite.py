@@ -199,7 +199,9 @@ MIXES = {"tools": "calc=1,table=1",  # the acting families: only a call the mode
          "pretrained": PRETRAINED_MIX, "default": ",".join(f"{d}=1" for d in DOMAINS)}
 
 
-NUMBER = re.compile(r"-?\d+")
+# a question's operands, all integers (template_key sorts them as ints); a reply's numbers, decimals too, are
+# read with forge_stream.rollout.graders.NUMBER
+INTEGER = re.compile(r"-?\d+")
 
 
 def template_key(domain: str, task: dict) -> str:
@@ -215,7 +217,7 @@ def template_key(domain: str, task: dict) -> str:
     """
     if domain in ("lookup", "table"):
         return f"{domain}:{lookup_key(task['question'])}={task['answer']}"
-    return f"{domain}:{','.join(sorted(NUMBER.findall(task['question']), key=int))}"
+    return f"{domain}:{','.join(sorted(INTEGER.findall(task['question']), key=int))}"
 
 
 def task_kind(domain: str, task: dict) -> str:

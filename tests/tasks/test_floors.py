@@ -4,20 +4,19 @@ teacher's answers score 1. The measured values are in docs/learning/graders.md."
 
 import collections
 import itertools
-import re
 
 import pytest
 
 from forge_stream.rollout.graders import resolve
-from forge_stream.tasks.suite import DOMAINS, FAMILIES, PRETRAINED_MIX, SPLITS, make_tasks, parse_mix, template_key
+from forge_stream.tasks.suite import (DOMAINS, FAMILIES, INTEGER, PRETRAINED_MIX, SPLITS, make_tasks, parse_mix,
+                                     template_key)
 from forge_stream.tasks.teacher import demonstration
 
 FLOOR = 0.05
-NUMBER = re.compile(r"-?\d+")
 
 
 def _numbers(question: str) -> list[str]:
-    return NUMBER.findall(question)
+    return INTEGER.findall(question)
 
 
 TRIVIAL = {
@@ -87,7 +86,7 @@ def _wrong_calls(task) -> list[str]:
     if task.domain == "table":
         key = task.prompt["question"].removeprefix("What is stored under ").removesuffix("?")
         return [value for other, value in task.prompt["store"].items() if other != key]
-    a, b = map(int, NUMBER.findall(task.prompt["question"]))
+    a, b = map(int, INTEGER.findall(task.prompt["question"]))
     return [str(a + b), str(a - b), str(a * (b + 1)), str((a + 1) * b), str(a * b // 10)]
 
 
@@ -101,7 +100,7 @@ def test_an_acting_family_pays_nothing_for_a_call_with_wrong_arguments_or_none(d
     assert worst <= FLOOR
     if domain == "calc":
         def guess(t) -> str:
-            a, b = (round(int(n), -2) for n in NUMBER.findall(t.prompt["question"]))
+            a, b = (round(int(n), -2) for n in INTEGER.findall(t.prompt["question"]))
             return f"{t.prompt['question'].removeprefix('What is ').removesuffix('?')} = {a * b}"
         assert mean_score(tasks, guess) <= FLOOR
     answers = collections.Counter(t.graded["answer"] for t in tasks)
