@@ -26,7 +26,7 @@ it the engine protocol the gateway speaks to the torch engine: `/v1/chat/complet
 - **Loads at most every `load_interval_s`** (0: every version as it comes). Each load holds new requests while
   those in flight drain; with a trainer that publishes every few seconds, spacing the loads trades a version or two
   of staleness (which CISPO's importance weight corrects) for fewer drains.
-- **LoRA versions in about a second** (`lora_rank`, a run trained with `train --lora-rank`): vLLM starts with LoRA
+- **LoRA versions in seconds, without a drain** (`lora_rank`, a run trained with `train --lora-rank`): vLLM starts with LoRA
   enabled, each adapter version is loaded at run time under a name of its own, proven with the same probe (the
   reference computed with peft), and served without a drain: requests entering the gate after the switch go to the
   new adapter, those in flight finish on theirs (forge_stream.engine.vllm_front.adapters).
