@@ -105,8 +105,9 @@ def reasoning(rng: random.Random, difficulty: int) -> dict:
     smallest: 800 SFT steps on it alone reached a held-out predicted reward of 0.23, where two-digit numbers (which
     difficulty 1 gave until 2026-12-03) stayed at 0.001 and RL never saw a success. That shape had 210 templates, 21
     in the test split, where one constant answer was right 0.068 of the time. Five numbers, not four: with four
-    single digits that may repeat (1,410 templates) a fixed order of the question's numbers is right 0.079 of the
-    time, since a set with a repeated digit has fewer orders to ask it in; with five it is 0.021 (1 in 23 before).
+    single digits that may repeat (1,410 templates) a fixed order of the question's numbers would be right 0.079 of
+    the time (expected), since a set with a repeated digit has fewer orders to ask it in; with five it is 0.021,
+    about 1 in 48 (four different digits: 1 in 23).
     Single digits stay (the tiny model's numbers); how well it learns five of them is not measured. 3,984 templates
     (a set of five digits and a direction), 440 of them in the test split."""
     digits = max(1, difficulty)
