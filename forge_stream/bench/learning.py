@@ -30,8 +30,8 @@ supervisor restarted during the seed, with how often (empty when none was).
 
 The summary (forge_stream.bench.learning_result) keeps every test task's score before and after RL per seed, and the
 improvement's 95% interval is a paired bootstrap over test tasks and seeds (forge_stream.bench.intervals);
-`improvement_ci95_by_template` resamples the tasks of one template together (four single digits to order are one
-problem in any order, and the reasoning family has 21 in the test split). `test_tasks` defaults to 600: a 0/1 mean
+`improvement_ci95_by_template` resamples the tasks of one template together (five single digits to order one way are
+one problem in any order; the reasoning family has 440 templates in the test split, 21 before 2026-12-07). `test_tasks` defaults to 600: a 0/1 mean
 near 0.5 then has a 95% interval of +-0.040 in one evaluation (`tasks_for_half_width(0.04)` is 601).
 """
 

@@ -3,10 +3,11 @@ test splits.
 
 Three domains, mixed in one run (unified mixed-domain training):
 
-- reasoning: "Order 3, 8, 1 and 6 from largest to smallest." (difficulty d: d-digit numbers, digits 0-9 at 1),
-  answered directly ("8 6 3 1"): the model has to compare the numbers itself. Four numbers, never asked in the order wanted, so that copying the question, or a
-  number of it, earns nothing, and an order picked without comparing is right about once in 23 (two numbers, "which
-  is larger?", paid a policy that always copied the second one half the time).
+- reasoning: "Order 3, 8, 1, 8 and 6 from largest to smallest." or "... from smallest to largest." (difficulty d:
+  d-digit numbers, digits 0-9 at 1, which may repeat but are never all equal), answered directly ("8 8 6 3 1"): the
+  model has to compare the numbers itself. Five numbers, never asked in the order wanted, so that copying the
+  question, or a number of it, earns nothing, and an order picked without comparing is right about once in 48 (two
+  numbers, "which is larger?", paid a policy that always copied the second one half the time).
 - agent: "What is 347 + 518?" (difficulty d: (d + 2)-digit operands, + - *): the model can only get it right by
   calling the `calculator` tool and copying its result.
 - lookup: "What is stored under tern?": the value sits in the task's own key-value store, which the agent exposes
@@ -19,10 +20,11 @@ by the last number of the reply (`numeric`): a chat model restates the question 
 question's numbers is ever the answer, so no trivial reply scores. Their measured baselines, and why each was chosen:
 docs/learning/graders.md.
 
-- times: "What is 8 * 17?" (difficulty d: a one-digit number and one of 2 to 10 (d + 1) + 9, in either order),
-  answered directly with no tools offered. SmolLM2-135M-Instruct gets about one in six right at temperature 0.7,
-  and rambles ("To solve 8 * 17, we need to perform...") until its tokens run out on many more. One-digit plus
-  two-digit sums, which look easier, it gets 2-3% right: its multiplication table is better than its addition.
+- times: "What is 8 * 17?" (difficulty d: a one-digit number and one of 2 to 100 (d + 1) - 1, in either order),
+  answered directly with no tools offered. SmolLM2-135M-Instruct got about one in six right at temperature 0.7 when
+  the larger number ran to 29 (before 2026-12-07), and rambled ("To solve 8 * 17, we need to perform...") until its
+  tokens ran out on many more; on the wider range (to 199, products up to 1,791) its rate is not measured. One-digit
+  plus two-digit sums, which look easier, it gets 2-3% right: its multiplication table is better than its addition.
 - copy: "What is 4821 * 3907?" where the scaffold has already called the `calculator` on the question's expression (a
   planner's first step: the task's `calls`), so the model answers with the tool's result in its context, or not:
   SmolLM2 often restates it wrongly or redoes the arithmetic itself. The one tool-using family a small pretrained
@@ -44,11 +46,13 @@ numbers of the reply, in order, must be exactly the answer's, so a reply that na
 question, every candidate) scores 0. What trivial policies score, and the teacher: docs/learning/graders.md.
 
 Splits are by template, not by instance: `template_key` names what makes two tasks one problem whatever their
-wording or order ("order 3, 8, 1 and 6" and "order 6, 1, 8 and 3"; "347 + 518", "518 + 347" and
-"518 - 347": one operand pair; a lookup
-key and the value stored under it), and a hash of the key puts every task of that template in one split: test
-(one key in ten), validation (one in ten) or train. So the splits are disjoint by template and fixed: a task's
-split depends on nothing else, whatever a stream's seed, mix or difficulty. `heldout` is another name for test.
+wording or order ("order 3, 8, 1, 8 and 6" and "order 6, 8, 1, 8 and 3" from largest to smallest, though not from
+smallest to largest; "347 + 518", "518 + 347" and "518 - 347": one operand pair; a lookup key and the value stored
+under it), and a hash of the key puts every task of that template in one split: test (one key in ten), validation
+(one in ten) or train. So the splits are disjoint by template and fixed: a task's split depends on nothing else,
+whatever a stream's seed, mix or difficulty. `heldout` is another name for test. At difficulty 1 every family has
+at least 100 templates in the test split, so that no one answer is right often there: times 183 of 1,556, mental
+409 of 4,095, reasoning 440 of 3,984, lookup 1,797 of 18,000; agent, copy, calc and table have far more.
 `iter_tasks` is an endless seeded stream of one split; `make_tasks` takes the first n of it.
 
 >>> a = make_tasks("train", 50, seed=1)
@@ -88,21 +92,35 @@ KEYS = ("tern", "wren", "kite", "lark", "crow", "dove", "hawk", "swan", "rook", 
         "finch", "robin", "heron", "egret", "stork", "crane", "gull", "raven")
 
 
-def reasoning(rng: random.Random, difficulty: int) -> dict:
-    """Four different difficulty-digit numbers (digits 0-9 at difficulty 1 or below), asked in any order but the
-    wanted one, to answer from largest to smallest.
+REASONING_NUMBERS = 5  # how many numbers a reasoning question orders
+DIRECTIONS = {"descending": "from largest to smallest", "ascending": "from smallest to largest"}
 
-    At difficulty 1 the tiny model learns the family: 800 SFT steps on it alone reach a held-out predicted reward
-    of 0.23, where two-digit numbers (which difficulty 1 gave until 2026-12-03) stay at 0.001 and RL never saw a
-    success. 210 templates (sets of four digits), about 21 of them in the test split."""
+
+def reasoning(rng: random.Random, difficulty: int) -> dict:
+    """Five difficulty-digit numbers (digits 0-9 at difficulty 1 or below), drawn independently, so they may repeat
+    (never all five equal), to order from largest to smallest or from smallest to largest, asked in any order but the
+    wanted one.
+
+    At difficulty 1 the tiny model learned the family's earlier shape, four different single digits from largest to
+    smallest: 800 SFT steps on it alone reached a held-out predicted reward of 0.23, where two-digit numbers (which
+    difficulty 1 gave until 2026-12-03) stayed at 0.001 and RL never saw a success. That shape had 210 templates, 21
+    in the test split, where one constant answer was right 0.068 of the time. Five numbers, not four: with four
+    single digits that may repeat (1,410 templates) a fixed order of the question's numbers would be right 0.079 of
+    the time (expected), since a set with a repeated digit has fewer orders to ask it in; with five it is 0.021,
+    about 1 in 48 (four different digits: 1 in 23).
+    Single digits stay (the tiny model's numbers); how well it learns five of them is not measured. 3,984 templates
+    (a set of five digits and a direction), 440 of them in the test split."""
     digits = max(1, difficulty)
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits
-    numbers = rng.sample(range(low, high), 4)
-    wanted = sorted(numbers, reverse=True)
+    numbers = [rng.randrange(low, high) for _ in range(REASONING_NUMBERS)]
+    while len(set(numbers)) == 1:
+        numbers = [rng.randrange(low, high) for _ in range(REASONING_NUMBERS)]
+    direction = rng.choice(sorted(DIRECTIONS))
+    wanted = sorted(numbers, reverse=direction == "descending")
     while numbers == wanted:
         rng.shuffle(numbers)
-    a, b, c, d = numbers
-    return {"question": f"Order {a}, {b}, {c} and {d} from largest to smallest.",
+    listed = ", ".join(map(str, numbers[:-1]))
+    return {"question": f"Order {listed} and {numbers[-1]} {DIRECTIONS[direction]}.",
             "answer": " ".join(map(str, wanted))}
 
 
@@ -143,9 +161,12 @@ def mental(rng: random.Random, difficulty: int) -> dict:
 
 
 def times(rng: random.Random, difficulty: int) -> dict:
-    """A one-digit number (2-9) times one of 2 to 10 * (difficulty + 1) + 9, in either order, answered directly, no
-    tools offered."""
-    small, large = rng.randint(2, 9), rng.randint(2, 10 * (max(1, difficulty) + 1) + 9)
+    """A one-digit number (2-9) times one of 2 to 100 * (difficulty + 1) - 1 (2-199 at difficulty 1), in either
+    order, answered directly, no tools offered. 1,556 templates (a pair of operands), 183 of them in the test split.
+    The large operand ran to 10 * (difficulty + 1) + 9 (2-29) until 2026-12-07: 224 templates, 22 in the test split,
+    where the constant answer 32 was right 0.132 of the time. Products of three digits or more, which SmolLM2 got
+    under one in ten right before RL, are 89% of the tasks now (35% then)."""
+    small, large = rng.randint(2, 9), rng.randint(2, 100 * (max(1, difficulty) + 1) - 1)
     a, b = (small, large) if rng.random() < 0.5 else (large, small)
     return {"question": f"What is {a} * {b}?", "answer": str(a * b), "system": PLAIN_SYSTEM, "tools": []}
 
@@ -206,10 +227,13 @@ INTEGER = re.compile(r"-?\d+")
 
 def template_key(domain: str, task: dict) -> str:
     """The task's template (`task` as its grader sees it): the question's numbers, sorted, whatever their order or
-    operator; for lookup the key asked and the value stored under it (the only value an agent sees).
+    operator; for reasoning the direction asked too; for lookup the key asked and the value stored under it (the
+    only value an agent sees).
 
-    >>> template_key("reasoning", {"question": "Order 8, 3, 1 and 6 from largest to smallest."})
-    'reasoning:1,3,6,8'
+    >>> template_key("reasoning", {"question": "Order 8, 3, 1, 3 and 6 from largest to smallest."})
+    'reasoning:descending:1,3,3,6,8'
+    >>> template_key("reasoning", {"question": "Order 8, 3, 1, 3 and 6 from smallest to largest."})
+    'reasoning:ascending:1,3,3,6,8'
     >>> [template_key("agent", {"question": q}) for q in ("What is 347 + 518?", "What is 518 - 347?")]
     ['agent:347,518', 'agent:347,518']
     >>> template_key("lookup", {"question": "What is stored under tern?", "answer": "532"})
@@ -217,7 +241,19 @@ def template_key(domain: str, task: dict) -> str:
     """
     if domain in ("lookup", "table"):
         return f"{domain}:{lookup_key(task['question'])}={task['answer']}"
-    return f"{domain}:{','.join(sorted(INTEGER.findall(task['question']), key=int))}"
+    numbers = ','.join(sorted(INTEGER.findall(task['question']), key=int))
+    if domain == "reasoning":
+        return f"{domain}:{reasoning_direction(task['question'])}:{numbers}"
+    return f"{domain}:{numbers}"
+
+
+def reasoning_direction(question: str) -> str:
+    """'descending' or 'ascending': the order a reasoning question asks for.
+
+    >>> reasoning_direction("Order 8, 3, 1, 3 and 6 from smallest to largest.")
+    'ascending'
+    """
+    return next(name for name, words in DIRECTIONS.items() if question.endswith(f" {words}."))
 
 
 def task_kind(domain: str, task: dict) -> str:
@@ -230,8 +266,8 @@ def task_kind(domain: str, task: dict) -> str:
     'lookup:tern'
     >>> task_kind("agent", {"question": "What is 951 * 305?", "answer": "290055"})
     'agent:*6'
-    >>> task_kind("reasoning", {"question": "Order 8, 3, 1 and 6 from largest to smallest."})
-    'reasoning:1,3,6,8'
+    >>> task_kind("reasoning", {"question": "Order 8, 3, 1, 3 and 6 from largest to smallest."})
+    'reasoning:descending:1,3,3,6,8'
     """
     if domain in ("lookup", "table"):
         return f"{domain}:{lookup_key(task['question'])}"

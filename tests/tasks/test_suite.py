@@ -97,6 +97,29 @@ def test_teacher_solves_every_family_and_the_grader_agrees(domain):
                 assert str(eval(expression)) == task.reference["answer"]  # noqa: S307 - generated arithmetic
 
 
+def test_reasoning_asks_either_direction_and_grades_the_order_asked():
+    """Five digits that may repeat (never all equal), to order from largest to smallest or from smallest to largest,
+    never asked already in the order wanted; the grader pays the order asked for and no other."""
+    grade = resolve("numbers")
+    tasks = make_tasks("train", 300, seed=4, mix={"reasoning": 1.0})
+    asked = collections.Counter()
+    for task in tasks:
+        question, answer = task.prompt["question"], task.reference["answer"]
+        numbers = list(map(int, re.findall(r"\d+", question)))
+        descending = question.endswith(" from largest to smallest.")
+        assert descending or question.endswith(" from smallest to largest.")
+        asked[descending] += 1
+        assert len(numbers) == 5 and len(set(numbers)) > 1 and all(0 <= n <= 9 for n in numbers)
+        assert answer == " ".join(map(str, sorted(numbers, reverse=descending)))
+        assert numbers != sorted(numbers, reverse=descending)
+        assert grade(task.graded, answer) == 1.0
+        assert grade(task.graded, " ".join(answer.split()[::-1])) == 0.0  # the other direction
+    assert min(asked.values()) > 100
+    assert any(len(set(re.findall(r"\d+", t.prompt["question"]))) < 5 for t in tasks)
+    up, down = ("Order 7, 2, 9, 2 and 0 from smallest to largest.", "Order 7, 2, 9, 2 and 0 from largest to smallest.")
+    assert template_key("reasoning", {"question": up}) != template_key("reasoning", {"question": down})  # two answers
+
+
 def test_difficulty_widens_the_operands():
     easy = make_tasks("train", 30, seed=0, mix={"agent": 1.0}, difficulty=1)
     hard = make_tasks("train", 30, seed=0, mix={"agent": 1.0}, difficulty=3)
