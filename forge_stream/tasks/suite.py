@@ -108,7 +108,9 @@ def reasoning(rng: random.Random, difficulty: int) -> dict:
     single digits that may repeat (1,410 templates) a fixed order of the question's numbers would be right 0.079 of
     the time (expected), since a set with a repeated digit has fewer orders to ask it in; with five it is 0.021,
     about 1 in 48 (four different digits: 1 in 23).
-    Single digits stay (the tiny model's numbers); how well it learns five of them is not measured. 3,984 templates
+    Single digits stay (the tiny model's numbers), and it gets a foothold on five: its balanced warm start reached
+    reasoning's 0.1 criterion (0.11) in 2,075 SFT steps, and validation reasoning was 0.10 before 5 minutes of RL and
+    0.13 after, on 78 tasks, within their noise (benchmarks/results/learning-2026-12-07-55a701458f.json). 3,984 templates
     (a set of five digits and a direction), 440 of them in the test split."""
     digits = max(1, difficulty)
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits
