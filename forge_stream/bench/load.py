@@ -87,7 +87,7 @@ class Tally:
     shed_without_retry_after: int = 0
     errors: Counter = field(default_factory=Counter)  # other non-2xx status (or exception name) -> count
     unanswered: int = 0  # calls the balancer found no answer for (their host died under them), sent again
-    done_before: int = 0  # finishes sent again whose first try had finished the session (its answer lost): 409
+    finished_before: int = 0  # finishes sent again whose first try had finished the session (its answer lost): 409
     latencies_ms: list[float] = field(default_factory=list)
     sessions: int = 0
     burst_sessions: int = 0  # sessions that asked a turn as a burst of parallel calls
@@ -135,7 +135,7 @@ async def _post(client: httpx.AsyncClient, path: str, make_body, tally: Tally, d
             await asyncio.sleep(delay or 1.0)
             continue
         if lost_answer and response.status_code == done_status:
-            tally.done_before += 1
+            tally.finished_before += 1
             return response
         if response.status_code >= 300:
             tally.errors[response.status_code] += 1
@@ -411,5 +411,5 @@ def run(settings: LoadSettings = LoadSettings()) -> dict:
         "engine_delay_ms": settings.engine_delay_ms, "workers": settings.workers,
         "parallel_every": settings.parallel_every, "hosts": settings.hosts,
         "hosts_killed": int(settings.kill_host_after_s is not None), "unanswered": tally.unanswered,
-        "finished_before": tally.done_before,
+        "finished_before": tally.finished_before,
     }
