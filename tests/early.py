@@ -9,8 +9,9 @@ Each thing is declared where it is used, at import (so before the session starts
 runs at the session's start in the main thread (`get` gives session fixtures: the broker, tmp_path_factory, ...) and
 returns the slow part. The slow parts run in one background thread, one after another in the order of their first
 users, so that at most one start competes with the tests for the cores, each once the session is LEAD tests short of
-its first user (a vLLM engine started with the session sat idle through 50 minutes of other tests holding 3 GB, and
-was the process the kernel's OOM killer took when the suite's memory ran short); one may wait for an earlier one's result
+its first user, or its own `lead` (a vLLM engine started with the session sat idle through 50 minutes of other tests
+holding 3 GB, and was the process the kernel's OOM killer took when the suite's memory ran short); one may wait for an
+earlier one's result
 (`EARLY.result`: the SmolLM2 import before the vLLM server on it). The fixture that owns the thing calls
 `EARLY.take(name, get)`: it waits for that start and raises what it raised, or, where nothing was begun (the test was
 not selected when the session started), runs both parts itself. From then on the fixture owns it and stops it when
@@ -41,6 +42,7 @@ class _Declared:
     wanted: Callable[[Any], bool]
     prepare: Callable[[Get], Callable[[], Any]]
     stop: Callable[[Any], None] | None
+    lead: int
 
 
 class Early:
@@ -53,8 +55,8 @@ class Early:
         self._at = 0  # the place of the test running now
 
     def declare(self, name: str, wanted: Callable[[Any], bool], prepare: Callable[[Get], Callable[[], Any]],
-                stop: Callable[[Any], None] | None = None) -> None:
-        self._declared[name] = _Declared(wanted, prepare, stop)
+                stop: Callable[[Any], None] | None = None, lead: int = LEAD) -> None:
+        self._declared[name] = _Declared(wanted, prepare, stop, lead)
 
     def begin(self, items: list, get: Get) -> list[str]:
         """Start what a selected test needs, one after another in the order the tests need them, in one thread (so
@@ -66,7 +68,8 @@ class Early:
         queue = []
         for name in begun:
             self._starts[name] = _Start()
-            queue.append((self._starts[name], self._declared[name].prepare(get), max(0, first[name] - LEAD)))
+            queue.append((self._starts[name], self._declared[name].prepare(get),
+                          max(0, first[name] - self._declared[name].lead)))
         if queue:
             threading.Thread(target=self._run, args=(queue,), name="early-starts", daemon=True).start()
         return begun

@@ -11,7 +11,7 @@ import pytest
 from early import LEAD, Early
 
 
-def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = False) -> None:
+def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = False, lead: int = LEAD) -> None:
     def prepare(get):
         prepared_in = threading.current_thread().name  # the fixtures are read in the main thread
 
@@ -21,7 +21,7 @@ def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = F
                 raise RuntimeError(f"{name} did not start")
             return name.upper()
         return slow
-    early.declare(name, lambda item: name in item.fixturenames, prepare, stop=stopped.append)
+    early.declare(name, lambda item: name in item.fixturenames, prepare, stop=stopped.append, lead=lead)
 
 
 def test_what_a_selected_test_needs_starts_in_a_thread_and_its_fixture_takes_it():
@@ -62,6 +62,23 @@ def test_a_start_begins_when_the_session_is_lead_tests_short_of_its_first_user()
     assert made == []  # 31 tests short of it
     early.reached("t30")
     assert early.take("late", {"where": "fixture"}.get) == "LATE" and made[0][0] == "late"
+    early.end()
+
+
+def test_a_start_with_a_lead_of_its_own_begins_that_many_tests_short_of_its_first_user():
+    early, made, stopped = Early(), [], []
+    _declare(early, "slower", made, stopped, lead=5)
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=["slower"] if i == 20 else []) for i in range(21)]
+    early.begin(items, {"where": "session"}.get)
+    early.reached("t14")
+    time.sleep(0.3)
+    assert made == []  # 6 tests short of it
+    early.reached("t15")
+    deadline = time.monotonic() + 10
+    while not made:  # begun by the session's place, not by a fixture taking it
+        assert time.monotonic() < deadline, "5 tests short of its first user, it did not begin"
+        time.sleep(0.01)
+    assert early.take("slower", {"where": "fixture"}.get) == "SLOWER" and made[0][0] == "slower"
     early.end()
 
 

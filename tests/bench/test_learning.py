@@ -333,7 +333,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
     test tasks (the same for both seeds), the seeds' own warm starts, and rl_minutes within the RL phase."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "forge_stream", "bench", "learning", "--seeds", "2", "--seed", "5",
-                          "--rl-minutes", "0.5", "--test-tasks", "6", "--sft-max-steps", "10", "--sft-examples", "32",
+                          "--rl-minutes", "0.25", "--test-tasks", "6", "--sft-max-steps", "10", "--sft-examples", "32",
                           "--allow-outside-band", "--batch-size", "2", "--group-size", "2", "--concurrency", "8",
                           "--replay-edge", "0.5", "--partial-credit", "0.5", "--home", str(tmp_path / "home"), "--json"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -359,7 +359,7 @@ def test_two_seeds_end_to_end_with_tiny_budgets(tmp_path):
         assert 0 <= run["staleness_mean"] <= run["staleness_max"]
         assert run["service_restarts"] == {}, run["service_restarts"]  # no service died and came back meanwhile
         assert sum(v["tasks"] for v in run["by_kind"]["kinds"].values()) == 6  # the same tasks, by kind
-    assert "[seed 6] [3/5] RL for 0.5 minutes" in out.stderr  # progress, per seed
+    assert "[seed 6] [3/5] RL for 0.25 minutes" in out.stderr  # progress, per seed
     assert "[seed 6]   by kind of task:" in out.stderr
     assert (tmp_path / "home" / "seed5" / "warm" / "config.json").exists()
 

@@ -7,13 +7,17 @@ and a scripted gateway (tests/scripted_gateway.py)."""
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from forge_stream.kafka.broker import free_port
+from forge_stream.startup import KAFKA_ANSWER_S
 
 REPO = Path(__file__).resolve().parents[2]
 HANGS_AFTER_S = 90  # far beyond the few seconds a command gives Kafka: a command that waits for ever fails the test
@@ -68,12 +72,17 @@ def test_a_service_told_to_wait_for_kafka_still_waits(tmp_path):
     env, _ = _down_home(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "forge_stream", "processors", "run", "--wait-for-kafka"], env=env,
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = queue.Queue()
+    threading.Thread(target=lambda: [said.put(line) for line in proc.stdout], daemon=True).start()
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            proc.communicate(timeout=30)  # three times what a command run by hand gives Kafka
+        deadline = time.monotonic() + HANGS_AFTER_S
+        while "waiting for Kafka at" not in said.get(timeout=max(0.0, deadline - time.monotonic())):
+            pass
+        time.sleep(KAFKA_ANSWER_S)  # said after its first try: by now past what a command run by hand gives Kafka
+        assert proc.poll() is None, f"it stopped waiting (exit {proc.returncode})"
     finally:
         proc.kill()
-    assert "waiting for Kafka at" in proc.communicate()[0]
+        proc.wait()
 
 
 def _rollout(kafka_bootstrap, gateway, tmp_path, *options, agent: str = "true", tasks: int = 2):

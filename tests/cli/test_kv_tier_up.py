@@ -1,6 +1,6 @@
 """`forge-stream up` of a topology with the shared KV tier alone (LMCache's server from the vLLM runtime, no vLLM
 engine): it runs supervised, `status` shows its address, L1 and counters, and a tier that cannot start is one line
-from `up`, exit 1. The tier with real vLLM engines on it: tests/vllm/test_kv_tier.py."""
+from `up`, exit 1. The tier with real vLLM engines on it: tests/vllm/test_shared_kv_tier.py."""
 
 import json
 import os

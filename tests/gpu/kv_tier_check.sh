@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On one GPU, in under ten minutes: the shared KV tier (LMCache's server, CUDA IPC to the engines) with real vLLM.
 #   bash tests/gpu/kv_tier_check.sh            (from the repository, in its virtualenv)
-# 1. tests/vllm/test_kv_tier.py's checks that need no kill: `up` of the tier and two engines on the tiny model, a
+# 1. tests/vllm/test_shared_kv_tier.py's checks that need no kill: `up` of the tier and two engines on the tiny model, a
 #    prompt one engine computed read from the tier by the other, and no KV of one policy version served to another
 #    (after a reload both engines serve v1; the prompt stored at v0 is no hit, and log-probs match v1's weights).
 # 2. `forge-stream bench kv-tier` on SmolLM2 at 1K and 4K tokens, one round: time to first token from the tier
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}"
 forge-stream engine install-vllm --target gpu
-python -m pytest -q -x tests/vllm/test_kv_tier.py -k "supervised or read_from_the_tier or never_served" -p no:cacheprovider
+python -m pytest -q -x tests/vllm/test_shared_kv_tier.py -k "supervised or read_from_the_tier or never_served" -p no:cacheprovider
 forge-stream bench kv-tier --model smollm2-135m --sizes 1024,4096 --rounds 1 --json --log-dir "$out/kv_tier_logs" \
   | tee "$out/kv_tier.json"
 python - "$out/kv_tier.json" <<'PY'

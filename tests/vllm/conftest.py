@@ -41,8 +41,9 @@ def _started(get) -> Callable[[], tuple[EngineProcess, VllmEngine]]:
     return lambda: (engine.start(), VllmEngine(engine.url, run, log, bootstrap, engine.pid))
 
 
+# begun 100 tests ahead: the trainer's tests before this package leave it the two minutes a vLLM start takes beside them
 EARLY.declare("vllm_engine", lambda item: "vllm_engine" in item.fixturenames, _started,
-              stop=lambda started: started[0].stop())
+              stop=lambda started: started[0].stop(), lead=100)
 
 
 def _gone(process: EngineProcess, engine: VllmEngine) -> str | None:

