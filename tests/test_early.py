@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from early import LEAD, Early
+from helpers import until
 
 
 def _declare(early: Early, name: str, made: list, stopped: list, fails: bool = False, lead: int = LEAD) -> None:
@@ -74,10 +75,7 @@ def test_a_start_with_a_lead_of_its_own_begins_that_many_tests_short_of_its_firs
     time.sleep(0.3)
     assert made == []  # 6 tests short of it
     early.reached("t15")
-    deadline = time.monotonic() + 10
-    while not made:  # begun by the session's place, not by a fixture taking it
-        assert time.monotonic() < deadline, "5 tests short of its first user, it did not begin"
-        time.sleep(0.01)
+    until(lambda: made, 10, "5 tests short of its first user, it did not begin")  # not begun by a fixture's take
     assert early.take("slower", {"where": "fixture"}.get) == "SLOWER" and made[0][0] == "slower"
     early.end()
 

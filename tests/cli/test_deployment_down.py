@@ -7,7 +7,6 @@ and a scripted gateway (tests/scripted_gateway.py)."""
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ import pytest
 
 from forge_stream.kafka.broker import free_port
 from forge_stream.startup import KAFKA_ANSWER_S
+
+from helpers import until
 
 REPO = Path(__file__).resolve().parents[2]
 HANGS_AFTER_S = 90  # far beyond the few seconds a command gives Kafka: a command that waits for ever fails the test
@@ -72,12 +73,11 @@ def test_a_service_told_to_wait_for_kafka_still_waits(tmp_path):
     env, _ = _down_home(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "forge_stream", "processors", "run", "--wait-for-kafka"], env=env,
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    said = queue.Queue()
-    threading.Thread(target=lambda: [said.put(line) for line in proc.stdout], daemon=True).start()
+    said: list[str] = []
+    threading.Thread(target=lambda: [said.append(line) for line in proc.stdout], daemon=True).start()
     try:
-        deadline = time.monotonic() + HANGS_AFTER_S
-        while "waiting for Kafka at" not in said.get(timeout=max(0.0, deadline - time.monotonic())):
-            pass
+        until(lambda: any("waiting for Kafka at" in line for line in said), HANGS_AFTER_S,
+              lambda: f"no 'waiting for Kafka' line; it said: {said[-5:]}")
         time.sleep(KAFKA_ANSWER_S)  # said after its first try: by now past what a command run by hand gives Kafka
         assert proc.poll() is None, f"it stopped waiting (exit {proc.returncode})"
     finally:
