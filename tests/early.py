@@ -10,9 +10,11 @@ runs at the session's start in the main thread (`get` gives session fixtures: th
 returns the slow part. The slow parts run in one background thread, one after another in the order of their first
 users, so that at most one start competes with the tests for the cores, each once the session is LEAD tests short of
 its first user, or its own `lead` (a vLLM engine started with the session sat idle through 50 minutes of other tests
-holding 3 GB, and was the process the kernel's OOM killer took when the suite's memory ran short); one may wait for an
-earlier one's result
-(`EARLY.result`: the SmolLM2 import before the vLLM server on it). The fixture that owns the thing calls
+holding 3 GB, and was the process the kernel's OOM killer took when the suite's memory ran short), and once the start
+before it, if it holds processes (it was declared with a `stop`), was taken: so at most one engine waits, started, for
+its users (with `-m slow` every start was within its lead of the first test, and four vLLM engines and the KV tier's
+deployment, 5 GB an engine, came up together until the kernel killed one). One may wait for an earlier one's result
+(`EARLY.result`: the SmolLM2 import, which holds no process, before the vLLM server on it). The fixture that owns the thing calls
 `EARLY.take(name, get)`: it waits for that start and raises what it raised, or, where nothing was begun (the test was
 not selected when the session started), runs both parts itself. From then on the fixture owns it and stops it when
 its scope ends, as before; what no fixture took is stopped when the session ends (tests/conftest.py), and what had
@@ -68,8 +70,7 @@ class Early:
         queue = []
         for name in begun:
             self._starts[name] = _Start()
-            queue.append((self._starts[name], self._declared[name].prepare(get),
-                          max(0, first[name] - self._declared[name].lead)))
+            queue.append((name, self._declared[name].prepare(get), max(0, first[name] - self._declared[name].lead)))
         if queue:
             threading.Thread(target=self._run, args=(queue,), name="early-starts", daemon=True).start()
         return begun
@@ -80,10 +81,19 @@ class Early:
             self._at = max(self._at, self._index.get(nodeid, 0))
             self._reached.notify_all()
 
-    def _run(self, queue: list[tuple[_Start, Callable[[], Any], int]]) -> None:
-        for start, slow, at in queue:
+    def _waiting(self, name: str) -> bool:
+        """Whether `name`'s start holds processes that no fixture took yet."""
+        start = self._starts[name]
+        return self._declared[name].stop is not None and start.error is None and not start.taken
+
+    def _run(self, queue: list[tuple[str, Callable[[], Any], int]]) -> None:
+        before = None
+        for name, slow, at in queue:
+            start = self._starts[name]
             with self._reached:
-                self._reached.wait_for(lambda: self._at >= at or self._ending.is_set() or start.taken)
+                self._reached.wait_for(lambda: self._ending.is_set() or start.taken or (
+                    self._at >= at and (before is None or not self._waiting(before))))
+            before = name
             try:
                 if self._ending.is_set():
                     raise RuntimeError("the session ended before this start")

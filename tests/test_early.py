@@ -87,3 +87,39 @@ def test_a_fixture_taking_a_start_before_its_lead_begins_it_at_once():
     early.begin(items, {"where": "session"}.get)
     assert early.take("wanted", {"where": "fixture"}.get) == "WANTED"  # a test run alone with -k, say
     early.end()
+
+
+def test_a_start_that_holds_processes_is_taken_before_the_next_begins():
+    """With `-m slow` every start is within its lead of the first test: begun together, four vLLM engines and the KV
+    tier's deployment held more memory than the host has. A start declared without a `stop` holds nothing (an
+    import) and does not hold the next back."""
+    early, made, stopped = Early(), [], []
+    _declare(early, "engine_a", made, stopped)
+    early.declare("import_b", lambda item: "import_b" in item.fixturenames,
+                  lambda get: lambda: made.append(("import_b",)) or "B")  # no stop: holds no process
+    _declare(early, "engine_c", made, stopped)
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=[name]) for i, name in
+             enumerate(["engine_a", "import_b", "engine_c"])]
+    early.begin(items, {"where": "session"}.get)
+    early.reached("t0")
+    until(lambda: made, 10, "the first start did not begin")
+    time.sleep(0.3)
+    assert [m[0] for m in made] == ["engine_a"]  # held back: engine_a is started and no fixture took it
+    assert early.take("engine_a", {"where": "fixture"}.get) == "ENGINE_A"
+    until(lambda: len(made) == 3, 10, "once engine_a was taken, the import and then engine_c did not begin")
+    assert [m[0] for m in made] == ["engine_a", "import_b", "engine_c"]
+    early.end()
+    assert stopped == ["ENGINE_C"]  # never taken
+
+
+def test_a_fixture_taking_a_start_held_back_by_an_untaken_one_begins_it():
+    early, made, stopped = Early(), [], []
+    for name in ("skipped_engine", "wanted_engine"):
+        _declare(early, name, made, stopped)
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=[name]) for i, name in
+             enumerate(["skipped_engine", "wanted_engine"])]
+    early.begin(items, {"where": "session"}.get)
+    early.reached("t1")  # t0 was skipped: its fixture never took its engine
+    assert early.take("wanted_engine", {"where": "fixture"}.get) == "WANTED_ENGINE"
+    early.end()
+    assert stopped == ["SKIPPED_ENGINE"]

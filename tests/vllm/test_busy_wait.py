@@ -46,15 +46,6 @@ def _waits(env: dict[str, str], tag: str) -> tuple[str, float, int]:
     return poll, float(seconds), int(slept)
 
 
-def test_vllms_queue_is_polled_in_the_cpu_runtime_and_spun_otherwise(tmp_path):
-    poll, seconds, slept = _waits(vllm_env(tmp_path, "cpu"), "cpu")
-    assert float(poll) == MQ_POLL_S and seconds >= 200 * MQ_POLL_S and slept >= 200
-    poll, seconds, slept = _waits(vllm_env(tmp_path, "cpu", mq_poll_s=0.002), "set")
-    assert float(poll) == 0.002 and seconds >= 200 * 0.002 and slept >= 200
-    poll, seconds, slept = _waits(vllm_env(tmp_path, "gpu"), "spun")  # unset: vLLM's own spin, untouched
-    assert poll == "None" and slept < 20, (seconds, slept)  # measured: 0 sleeps (0.2 ms idle, 0.34 s in CI)
-
-
 def _vllm_cpu_s(front: int) -> dict[str, float]:
     """CPU seconds so far of each of vLLM's titled processes under the engine's front (VLLM::EngineCore, ...)."""
     parts = proc_tree_cpu(front, processes())
@@ -80,3 +71,12 @@ def test_the_served_engines_worker_stops_using_cpu_with_the_last_step(vllm_engin
           f"{ {name: round(after[name] - before[name], 2) for name in after} }; in the 1.5 s after: "
           f"{ {name: round(idle[name] - after[name], 2) for name in idle} }")
     assert idle["VLLM::Worker"] - after["VLLM::Worker"] < 0.3  # measured spinning: 1.0; polling: about 0.02
+
+
+def test_vllms_queue_is_polled_in_the_cpu_runtime_and_spun_otherwise(tmp_path):
+    poll, seconds, slept = _waits(vllm_env(tmp_path, "cpu"), "cpu")
+    assert float(poll) == MQ_POLL_S and seconds >= 200 * MQ_POLL_S and slept >= 200
+    poll, seconds, slept = _waits(vllm_env(tmp_path, "cpu", mq_poll_s=0.002), "set")
+    assert float(poll) == 0.002 and seconds >= 200 * 0.002 and slept >= 200
+    poll, seconds, slept = _waits(vllm_env(tmp_path, "gpu"), "spun")  # unset: vLLM's own spin, untouched
+    assert poll == "None" and slept < 20, (seconds, slept)  # measured: 0 sleeps (0.2 ms idle, 0.34 s in CI)
