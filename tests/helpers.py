@@ -24,8 +24,9 @@ from forge_stream.kafka.broker import free_port
 from forge_stream.kafka.history import Slice, read_completions, read_slice
 from forge_stream.processors import ProcessorSettings, fold
 from forge_stream.topics import TOPICS, Topic
-from forge_stream.trainer.step import StepConfig, accumulate_gradients, sample_tree
+from forge_stream.trainer.step import StepConfig, accumulate_gradients, sample_tree, sampling_settings
 from forge_stream.tree import sequence_logprobs
+from forge_stream.tree.logprobs import path_logprobs
 
 
 def needs_haproxy(why: str) -> pytest.MarkDecorator:
@@ -153,6 +154,32 @@ def trainer_gaps(model: torch.nn.Module, sample: dict) -> tuple[dict, float]:
     at_one = max(float((lp[ref["prompt_len"] - 1:] - torch.tensor(ref["old_logprobs"])).abs().max())
                  for lp, ref in zip(scored, sample["sequences"]))
     return stats, at_one
+
+
+NUCLEUS_EDGE = 2e-5  # top_p either side: past the cumulative-mass noise of an engine's forward, short of a token's mass
+
+
+def nucleus_edge(model: torch.nn.Module, sample: dict, match: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """|trainer - recorded| log-prob of every completion token of a TrainSample (the trainer's own `path_logprobs`,
+    at each sequence's recorded settings), and which tokens sit at their nucleus's edge: off by `match` or more, but
+    within it once top_p (where below 1) moves NUCLEUS_EDGE either way.
+
+    An engine's forward and the trainer's agree to within float noise (5e-6 nats for the torch engine, 6e-5 for
+    vLLM), so a token whose cumulative mass sits that close to 1 - top_p falls inside the nucleus on one side and
+    outside on the other, and the renormalised log-probs of its row then differ by about that token's mass: the
+    tiny model's 2,048 nearly flat tokens, 5e-4 nats. Moving top_p moves the edge past it, and the trainer's nucleus is
+    the engine's again; a wrong temperature or wrong weights stay off whatever the top_p."""
+    tree, refs = sample_tree(sample), sample["sequences"]
+    rows = torch.cat([path[ref["prompt_len"]:] for path, ref in zip(tree.paths, refs)])
+    recorded = torch.tensor([lp for ref in refs for lp in ref["old_logprobs"]], dtype=torch.float64)
+    temperature, top_p = sampling_settings(refs, [len(ref["old_logprobs"]) for ref in refs])
+    gaps = []
+    with torch.no_grad():
+        for shift in (0.0, -NUCLEUS_EDGE, NUCLEUS_EDGE):
+            moved = torch.where(top_p < 1.0, top_p + shift, top_p)
+            scored = path_logprobs(model, tree, rows, temperature=temperature, top_p=moved)
+            gaps.append((scored.double() - recorded).abs())
+    return gaps[0], (gaps[0] >= match) & (torch.minimum(gaps[1], gaps[2]) < match)
 
 
 def publish_adapter_version(bootstrap: str, run: str, version: int, folder: Path, rank: int = 4) -> float:
