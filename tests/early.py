@@ -1,24 +1,24 @@
-"""What the test session starts in the background as it begins: the engine server processes that fixtures of
-module or session scope hold (real vLLM, and the torch engine), and the SmolLM2 import one of them serves, so that
-their start-up runs while the tests before their users do, instead of in their users' setup. Most tests wait on
-Kafka, HTTP and processes with the cores idle; a vLLM start is imports and compiling (on 2 cores: one to two and a
-half minutes each, about 6 minutes of the suite's wall time for the three), a torch engine's about 15 s.
+"""What the test session starts in the background as it begins: the engine server processes that fixtures of module or
+session scope hold (real vLLM, and the torch engine), and the SmolLM2 import one of them serves, so that their
+start-up runs while the tests before their users do, instead of in their users' setup. Most tests wait on Kafka,
+HTTP and processes with the cores idle; a vLLM start is imports and compiling (on 2 cores: one to two and a half
+minutes each, about 6 minutes of the suite's wall time for the three), a torch engine's about 15 s.
 
-Each thing is declared where it is used, at import (so before the session starts):
-`EARLY.declare(name, wanted, prepare, stop)`. `wanted(item)` says whether a selected test needs it; `prepare(get)`
-runs at the session's start in the main thread (`get` gives session fixtures: the broker, tmp_path_factory, ...) and
-returns the slow part. The slow parts run in one background thread, one after another in the order of their first
-users, so that at most one start competes with the tests for the cores, each once the session is LEAD tests short of
-its first user, or its own `lead` (a vLLM engine started with the session sat idle through 50 minutes of other tests
-holding 3 GB, and was the process the kernel's OOM killer took when the suite's memory ran short), and once the start
-before it, if it holds processes (it was declared with a `stop`), was taken: so at most one engine waits, started, for
-its users (with `-m slow` every start was within its lead of the first test, and four vLLM engines and the KV tier's
-deployment, 5 GB an engine, came up together until the kernel killed one). One may wait for an earlier one's result
-(`EARLY.result`: the SmolLM2 import, which holds no process, before the vLLM server on it). The fixture that owns the thing calls
-`EARLY.take(name, get)`: it waits for that start and raises what it raised, or, where nothing was begun (the test was
-not selected when the session started), runs both parts itself. From then on the fixture owns it and stops it when
-its scope ends, as before; what no fixture took is stopped when the session ends (tests/conftest.py), and what had
-not started by then never starts.
+Each thing is declared where it is used, at import (so before the session starts): `EARLY.declare(name, wanted,
+prepare, stop)`. `wanted(item)` says whether a selected test needs it; `prepare(get)` runs at the session's start in
+the main thread (`get` gives session fixtures: the broker, tmp_path_factory, ...) and returns the slow part. The
+slow parts run in one background thread, one after another in the order of their first users, so that at most one
+start competes with the tests for the cores, each once the session is LEAD tests short of its first user, or its own
+`lead` (a vLLM engine started with the session sat idle through 50 minutes of other tests holding 3 GB, and was the
+process the kernel's OOM killer took when the suite's memory ran short), and once the start before it, if it holds
+processes (it was declared with a `stop`), was taken: so at most one engine waits, started, for its users (with
+`-m slow` every start was within its lead of the first test, and four vLLM engines and the KV tier's deployment, 5
+GB an engine, came up together until the kernel killed one). One may wait for an earlier one's result
+(`EARLY.result`: the SmolLM2 import, which holds no process, before the vLLM server on it). The fixture that owns
+the thing calls `EARLY.take(name, get)`: it waits for that start and raises what it raised, or, where nothing was
+begun (the test was not selected when the session started), runs both parts itself. From then on the fixture owns it
+and stops it when its scope ends, as before; what no fixture took is stopped when the session ends
+(tests/conftest.py), and what had not started by then never starts.
 """
 
 from __future__ import annotations
