@@ -4,8 +4,9 @@ version; an adapter that cannot be read, or that vLLM refuses, is not announced 
 served; a version with the served adapter's bytes is announced without a load; an adapter is proven and served while
 agents keep sampling (vLLM's CPU LoRA kernels cannot run the prompt log-probs of the full-weight probe beside other
 requests: its worker died on the first adapter of a busy engine); versions that come faster than requests end keep
-each retired adapter's folder until its last request ended (vLLM reads it again for a request that waited, and died
-when it had gone: `bench learning --lora-rank 8` restarted the engine every few minutes).
+each retired adapter loaded, and its folder, until its last request ended (vLLM answers 404 for a request that
+reaches it under a name already unloaded; it reads the folder again for a request that waited, and died when it had
+gone: `bench learning --lora-rank 8` restarted the engine every few minutes).
 
 vLLM runs here with LoRA on, which the package's other engine (conftest.vllm_engine) does not: one more start-up,
 shared by this module's tests, in the background from the session's start (tests/early.py).
@@ -154,8 +155,7 @@ def test_adapter_versions_are_proven_served_under_the_agents_model_name_and_a_co
     assert renamed["renamed_versions"] == health["renamed_versions"] + 1 and renamed["loads"] == health["loads"]
     assert renamed["lora_adapter"] == health["lora_adapter"] and health["lora_adapter"].startswith("policy-v3-")
     assert _answer(engine.url, prompt)["policy_version"] == 5
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(vllm_socket(log)))) as vllm:
-        listed = [m["id"] for m in vllm.get("http://vllm/v1/models").json()["data"]]
+    listed = _vllm_models(log)
 
     assert base["policy_version"] == 0 and kept["policy_version"] == 1 and after["policy_version"] == 3
     # each answer was served by the adapter of the version it is labelled with
@@ -223,5 +223,45 @@ def test_versions_faster_than_requests_end_keep_each_adapter_until_its_last_requ
     assert set(versions) & set(served), f"no answer under the new versions: {sorted(set(served))}"
     health = httpx.get(f"{engine.url}/health").json()
     assert health["policy_version"] == 10 and health["lora_adapter"].startswith("policy-v10-")
-    held = _held_adapters(engine)
-    assert len(held) == 1 and held[0].startswith("v000010-"), held
+    # each retired adapter is unloaded, and its folder removed, as its last request ends
+    until(lambda: len(_held_adapters(engine)) == 1 and len(_vllm_models(log)) == 2, 30,
+          lambda: f"retired adapters left behind: {_held_adapters(engine)}, {_vllm_models(log)}")
+    assert _held_adapters(engine)[0].startswith("v000010-")
+    assert sorted(_vllm_models(log)) == sorted(["tiny-lora", health["lora_adapter"]])
+
+
+def _vllm_models(log) -> list[str]:
+    """The model names vLLM itself knows: its base model and the LoRA adapters loaded and not yet unloaded."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(vllm_socket(log)))) as vllm:
+        return [m["id"] for m in vllm.get("http://vllm/v1/models").json()["data"]]
+
+
+def test_a_retired_adapter_is_unloaded_only_once_its_last_request_has_ended(lora_engine, tiny_model_dir, tmp_path):
+    """A request the front sent under an adapter may not have reached vLLM's server when the next version is
+    switched in, and vLLM answers 404 for a name already unloaded (CI saw an agent's request fail so): the retired
+    adapter stays loaded while a request sent under it is in flight, and goes when it ends."""
+    engine, run, log, bootstrap = lora_engine
+    first, second = (adapter_version(tiny_model_dir, tmp_path / f"v{v}", seed=v) for v in (11, 12))
+    publish_adapter_version(bootstrap, run, 11, first)
+    until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 11, 180, "version 11 not served")
+    retiring = httpx.get(f"{engine.url}/health").json()["lora_adapter"]
+    # 8 sequences of 1,000 tokens, 4 decoded at once: long enough to span the next version's load and proof
+    body = {"model": "an-agent", "prompt": [3, 14, 159, 26, 5], "n": 2 * MAX_BATCH, "max_tokens": 1000,
+            "min_tokens": 1000, "temperature": 1.0}
+    answer = {}
+    request = threading.Thread(target=lambda: answer.update(
+        response=httpx.post(f"{engine.url}/v1/completions", json=body, timeout=600)))
+    request.start()
+    until(lambda: httpx.get(f"{engine.url}/health").json()["in_flight"] == 1, 30, "the request did not enter")
+    publish_adapter_version(bootstrap, run, 12, second)
+    until(lambda: httpx.get(f"{engine.url}/health").json()["policy_version"] == 12, 180, "version 12 not served")
+    listed, held = _vllm_models(log), _held_adapters(engine)
+    assert request.is_alive(), "the request ended before version 12 was served: make it longer"
+    request.join()
+
+    response = answer["response"]
+    assert response.status_code == 200 and response.json()["policy_version"] == 11, response.text[:300]
+    assert retiring in listed and len(held) == 2, (listed, held)  # kept while its request ran
+    until(lambda: retiring not in _vllm_models(log) and len(_held_adapters(engine)) == 1, 30,
+          lambda: f"the retired adapter was not unloaded after its last request: {_vllm_models(log)}")
+    assert _held_adapters(engine)[0].startswith("v000012-")

@@ -11,10 +11,10 @@ peft runs the adapter on a base model this front reads from disk at the first ad
 forge_stream.lora.ResidentBase, so a version costs its adapter's bytes and one forward pass, not a base load),
 and then the front maps the version to that name: a request entering the gate from then on is sent to vLLM under the
 new adapter's name and labelled with its version, whatever model name the agent sent, while those in flight finish
-on the adapter they started with. The previous adapter's name is then unloaded (vLLM forgets the name only; requests
-already running keep their adapter; a batch holds up to MAX_LORAS adapters, state.py). Its
-held folder is kept until the last request sent under it has ended (EngineState.retire), as vLLM reads it again for
-such a request whenever the adapter is not among those it holds. An adapter that cannot be read or proven is
+on the adapter they started with (a batch holds up to MAX_LORAS adapters, state.py). The previous adapter is
+unloaded, and its held folder removed, once the last request sent under it has ended (EngineState.retire): vLLM
+answers 404 for a request that reaches it under a name already unloaded, and reads the folder again for a waiting
+request whenever the adapter is not among those it holds. An adapter that cannot be read or proven is
 unloaded again and never announced (the failure is raised for forge_stream.engine.shared.follower to log): the last
 proven version stays served. A version whose adapter is the served one byte for byte (a trainer step
 that changed no weight) is announced on the served adapter.
@@ -28,7 +28,6 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from forge_stream import lora
@@ -61,7 +60,7 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         if "vLLM load" in took:  # loaded, not proven
-            await _unload(state, name)
+            await state.unload_adapter(name)
         if isinstance(failed, NotServed):
             raise failed
         raise NotServed(f"LoRA adapter: it was not proven ({type(failed).__name__}: {failed})") from failed
@@ -69,13 +68,12 @@ async def load_adapter(state: EngineState, checkpoint: str, held: Path, version:
     try:
         mismatch = matched_next(rows, expected, state) if expected is not None else None
     except Exception as exc:
-        await _unload(state, name)
+        await state.unload_adapter(name)
         raise NotServed(f"LoRA adapter: it was not proven ({type(exc).__name__}: {exc})") from exc
     previous = state.serving
     _switch(state, checkpoint, held, version, name, fingerprint, mismatch)
     if current is not None:
-        state.retire(current, previous)
-        await _unload(state, current)
+        await state.retire(current, previous)  # unloaded, its folder removed, once its last request has ended
     within = f"{mismatch:.1e}" if mismatch is not None else "(no probe)"
     timings = ", ".join(f"{step} {took[step]:.2f}s" for step in ("peft reference", "vLLM load", "vLLM probe")
                         if step in took)
@@ -135,10 +133,3 @@ async def _lora_call(state: EngineState, path: str, body: dict) -> None:
     if response.status_code != 200:
         raise WorkerError(f"POST {path}: HTTP {response.status_code} {response.text[:300]}")
 
-
-async def _unload(state: EngineState, name: str) -> None:
-    """Forget adapter `name` in vLLM (best effort: a name left behind costs one of its LoRA slots)."""
-    try:
-        await _lora_call(state, "/v1/unload_lora_adapter", {"lora_name": name})
-    except (WorkerError, httpx.HTTPError) as exc:
-        log.warning("could not unload LoRA adapter %s from vLLM (%s)", name, exc)

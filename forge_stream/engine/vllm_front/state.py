@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
+import httpx
 
 from forge_stream.credentials import ENGINE_ENV, refuse_open_bind
 from forge_stream.engine.shared.follower import FollowerStatus
-from forge_stream.engine.vllm_front.load_plan import VllmControl
+from forge_stream.engine.vllm_front.load_plan import VllmControl, WorkerError
 from forge_stream.engine.vllm_front.runtime import VllmRuntime
 from forge_stream.kvtier import cache_salt, connector_args, remove_orphaned_kv
 
@@ -174,6 +175,7 @@ class EngineState:
     adapters: dict[int, str] = field(default_factory=dict)  # policy version -> name of its LoRA adapter in vLLM
     adapter_users: dict[str, int] = field(default_factory=dict)  # adapter name -> requests in flight under it
     retired: dict[str, str] = field(default_factory=dict)  # adapter name -> held folder, kept for its last users
+    forgetting: set[asyncio.Task] = field(default_factory=set)  # retired adapters being unloaded (release)
     resident: ResidentBase | None = None  # the base model the probe runs adapters on (LoRA: from the first version)
 
     vllm_url: str = VLLM_URL
@@ -192,24 +194,44 @@ class EngineState:
         return name
 
     def release(self, name: str) -> None:
-        """A request sent under `name` has ended: a retired adapter's folder goes with its last user."""
+        """A request sent under `name` has ended: a retired adapter goes with its last user (`_forget`)."""
         users = self.adapter_users.get(name, 0) - 1
         if users > 0:
             self.adapter_users[name] = users
             return
         self.adapter_users.pop(name, None)
         if name in self.retired:
-            shutil.rmtree(self.retired.pop(name), ignore_errors=True)
+            task = asyncio.get_running_loop().create_task(self._forget(name, self.retired.pop(name)))
+            self.forgetting.add(task)
+            task.add_done_callback(self.forgetting.discard)
 
-    def retire(self, name: str, folder: str) -> None:
-        """Adapter `name` is no longer served. vLLM reads an adapter's folder again whenever a request of it is
-        scheduled and the adapter is not among the few it holds (with one of the next versions being proven, it
-        often is not), and a folder missing then kills vLLM's engine: so the folder stays until the last request
-        sent under `name` has ended."""
+    async def retire(self, name: str, folder: str) -> None:
+        """Adapter `name` is no longer served: it is forgotten (`_forget`) now if no request sent under it is in
+        flight, else once the last one has ended. Not sooner, for two reasons. A request the front has sent under
+        `name` may not have reached vLLM's server yet, and vLLM answers 404 for a name it no longer knows (seen under
+        load: an agent's request failed at a version switch). And vLLM reads an adapter's folder again whenever a
+        request of it is scheduled and the adapter is not among the few it holds (with one of the next versions
+        being proven, it often is not), and a folder missing then kills vLLM's engine."""
         if self.adapter_users.get(name, 0) > 0:
             self.retired[name] = folder
-        elif folder != self.settings.model:
+        else:
+            await self._forget(name, folder)
+
+    async def _forget(self, name: str, folder: str) -> None:
+        """Unload adapter `name` from vLLM, then remove the folder it was loaded from (never the start-up model)."""
+        await self.unload_adapter(name)
+        if folder != self.settings.model:
             shutil.rmtree(folder, ignore_errors=True)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` in vLLM (best effort: a name left behind stays listed in its /v1/models)."""
+        try:
+            response = await self.control.client.post(self.vllm_url + "/v1/unload_lora_adapter",
+                                                      json={"lora_name": name})
+            if response.status_code != 200:
+                raise WorkerError(f"HTTP {response.status_code} {response.text[:300]}")
+        except (WorkerError, httpx.HTTPError) as exc:
+            log.warning("could not unload LoRA adapter %s from vLLM (%s)", name, exc)
 
     @property
     def socket(self) -> Path:
