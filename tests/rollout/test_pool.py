@@ -2,7 +2,6 @@
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 
 from forge_stream.rollout.agents import AgentContext
@@ -15,35 +14,39 @@ def ctx(**task) -> AgentContext:
     return AgentContext("s", "http://127.0.0.1:1/s/s/v1", "key", task)
 
 
-def test_episodes_run_concurrently_on_few_processes():
+def test_episodes_run_concurrently_on_few_processes(tmp_path):
+    """8 episodes on 2 workers x 4 slots are all in flight at once: each waits for the other 7 (agent_worker's
+    `meet`), and answers an error if they never come."""
     async def main():
         pool = PooledCommandAgent(WORKER, workers=2, per_worker=4)
         try:
-            start = time.monotonic()
-            results = await asyncio.gather(*(pool(ctx(sleep=0.5, answer=i)) for i in range(8)))
-            elapsed = time.monotonic() - start
+            results = await asyncio.gather(*(pool(ctx(meet=[str(tmp_path), 8, 60], answer=i)) for i in range(8)))
             pids = {w.proc.pid for w in pool._workers}
         finally:
             await pool.aclose()
-        return results, elapsed, pids
+        return results, pids
 
-    results, elapsed, pids = asyncio.run(main())
-    assert [r.output for r in results] == [str(i) for i in range(8)] and all(r.ok for r in results)
+    results, pids = asyncio.run(main())
+    assert [r.output for r in results] == [str(i) for i in range(8)] and all(r.ok for r in results), results
     assert len(pids) == 2
-    assert elapsed < 2.0  # 8 episodes of 0.5 s on 2 x 4 slots: one wave, not eight
 
 
-def test_per_worker_bounds_the_episodes_in_flight():
-    async def main():
+def test_per_worker_bounds_the_episodes_in_flight(tmp_path):
+    """1 worker x 2 slots: 3 episodes are never in flight at once (each waits 1 s for a third, in two waves), while 2
+    are."""
+    async def main(n: int):
         pool = PooledCommandAgent(WORKER, workers=1, per_worker=2)
         try:
-            start = time.monotonic()
-            await asyncio.gather(*(pool(ctx(sleep=0.4, answer=i)) for i in range(4)))
-            return time.monotonic() - start
+            return await asyncio.gather(*(pool(ctx(meet=[str(tmp_path / str(n)), n, 1.0], answer=i))
+                                          for i in range(4)))
         finally:
             await pool.aclose()
 
-    assert asyncio.run(main()) >= 0.8  # two waves of two
+    for n in (2, 3):
+        (tmp_path / str(n)).mkdir()
+    three, two = asyncio.run(main(3)), asyncio.run(main(2))
+    assert not any(r.ok for r in three) and "fewer than 3 episodes" in three[0].reason, three
+    assert all(r.ok for r in two), two
 
 
 def test_a_dying_worker_fails_only_its_episodes_and_is_restarted():
