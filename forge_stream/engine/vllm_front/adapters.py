@@ -23,7 +23,6 @@ that changed no weight) is announced on the served adapter.
 from __future__ import annotations
 
 import asyncio
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -34,11 +33,8 @@ from forge_stream import lora
 from forge_stream.engine.shared.follower import Applied, NotServed
 from forge_stream.engine.shared.probe import probe_ids
 from forge_stream.engine.vllm_front.holds import weights_fingerprint
-from forge_stream.engine.vllm_front.load_plan import WorkerError
 from forge_stream.engine.vllm_front.reference_probe import matched_next, reference_logprobs, sample_next, vocab_size
 from forge_stream.engine.vllm_front.state import EngineState
-
-log = logging.getLogger(__name__)
 
 
 async def load_adapter(state: EngineState, checkpoint: str, held: Path, version: int, began: float) -> Applied:
@@ -95,7 +91,7 @@ async def _load_and_sample(state: EngineState, held: Path, ids: list[int], name:
     """Load the adapter in `held` into vLLM as `name`, then sample the probe under it (None when the probe is off)."""
     start = time.monotonic()
     try:
-        await _lora_call(state, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
+        await state.lora_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(held)})
     except Exception as exc:
         raise NotServed(f"LoRA adapter: vLLM did not load it ({type(exc).__name__}: {exc})") from exc
     took["vLLM load"] = time.monotonic() - start
@@ -126,10 +122,4 @@ def _rename(state: EngineState, checkpoint: str, held: Path, version: int, name:
     state.gate.reopen(version)
     return Applied(False, f"its adapter is version {previous}'s, byte for byte (a step that changed no weight), so it "
                           f"is announced on adapter {name} without a load ({time.monotonic() - began:.2f}s)")
-
-
-async def _lora_call(state: EngineState, path: str, body: dict) -> None:
-    response = await state.control.client.post(state.vllm_url + path, json=body)
-    if response.status_code != 200:
-        raise WorkerError(f"POST {path}: HTTP {response.status_code} {response.text[:300]}")
 

@@ -223,13 +223,17 @@ class EngineState:
         if folder != self.settings.model:
             shutil.rmtree(folder, ignore_errors=True)
 
+    async def lora_call(self, path: str, body: dict) -> None:
+        """POST one of vLLM's LoRA routes (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`: they answer text, not
+        JSON); raises WorkerError unless it answers 200."""
+        response = await self.control.client.post(self.vllm_url + path, json=body)
+        if response.status_code != 200:
+            raise WorkerError(f"POST {path}: HTTP {response.status_code} {response.text[:300]}")
+
     async def unload_adapter(self, name: str) -> None:
         """Forget adapter `name` in vLLM (best effort: a name left behind stays listed in its /v1/models)."""
         try:
-            response = await self.control.client.post(self.vllm_url + "/v1/unload_lora_adapter",
-                                                      json={"lora_name": name})
-            if response.status_code != 200:
-                raise WorkerError(f"HTTP {response.status_code} {response.text[:300]}")
+            await self.lora_call("/v1/unload_lora_adapter", {"lora_name": name})
         except (WorkerError, httpx.HTTPError) as exc:
             log.warning("could not unload LoRA adapter %s from vLLM (%s)", name, exc)
 
